@@ -1,0 +1,34 @@
+"""Decode kernels the core runs, by name: FlashInfer's prims_ts and trtllm-gen, our Triton kernel.
+
+Each is imported only when asked for, so a machine without FlashInfer still runs `triton`.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup
+
+# name -> "module:Class"; every class follows the DecodeKernel protocol.
+_KERNEL_CLASSES: dict[str, str] = {
+    "prims_ts": "vllm_kimi_dsa.kernels.flashinfer:PrimsTsDecode",
+    "trtllm": "vllm_kimi_dsa.kernels.flashinfer:TrtllmDecode",
+    "triton": "vllm_kimi_dsa.kernels.triton_decode:TritonDecode",
+}
+
+
+def kernel_class(name: str) -> type[DecodeKernel]:
+    """The DecodeKernel class of a kernel name in KERNELS."""
+    try:
+        module, cls = _KERNEL_CLASSES[name].split(":")
+    except KeyError:
+        raise ValueError(f"kernel {name!r} is not one this package runs; known: {sorted(_KERNEL_CLASSES)}") from None
+    return getattr(import_module(module), cls)
+
+
+def build_kernel(name: str, setup: DecodeSetup) -> DecodeKernel:
+    """Construct (and so plan / allocate for) kernel `name` for `setup`."""
+    return kernel_class(name)(setup)
+
+
+__all__ = ["DecodeKernel", "DecodeSetup", "build_kernel", "kernel_class"]

@@ -1,0 +1,83 @@
+"""The contract every decode kernel of the core keeps: one setup, one call.
+
+A kernel is built once per layer from a `DecodeSetup` (everything known at
+construction) and then called per step with views of the model's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from vllm_kimi_dsa.formats import CacheFormat
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What a kernel may rely on, fixed at the core's construction.
+
+    device: the CUDA (or CPU, for the interpreter) device of every tensor.
+    fmt: "fp8" (576 e4m3 bytes a row) or "nvfp4_ds_mla" (352 uint8 a row).
+    heads: query heads H of every call (in {128, 96, 64, 32, 16, 12}).
+    row_counts: every batch size (rows) the core will run, sorted.
+    capacities: prims_ts plan capacities, sorted (empty: plan each row count).
+    widths: every top-k width K a call may see, sorted, multiples of 128.
+    return_lse: whether calls pass an `lse` buffer.
+    softmax_scale: logits = softmax_scale * (q_raw . k_raw), the per-tensor
+        descales folded in (SPEC 2.1): scale*q_scale*k_scale for fp8,
+        scale*q_scale for nvfp4_ds_mla.
+    output_scale: out = output_scale * sum_j p_j v_raw_j (k_scale or 1.0).
+    impl: vLLM's FlashInferMLASparseImpl (or a stand-in): workspace, bmm scales.
+    """
+
+    device: torch.device
+    fmt: CacheFormat
+    heads: int
+    row_counts: tuple[int, ...]
+    capacities: tuple[int, ...]
+    widths: tuple[int, ...]
+    return_lse: bool
+    softmax_scale: float
+    output_scale: float
+    impl: Any = None
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.row_counts)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.widths)
+
+
+class DecodeKernel(Protocol):
+    """A sparse MLA decode kernel as the core calls it.
+
+    __call__ arguments (no allocation, no host sync inside):
+      query: (rows, H, 576) float8_e4m3fn, contiguous.
+      kv_rows: (num_rows, 576) float8_e4m3fn or (num_rows, 352) uint8, the
+          cache's flat rows view (may have a row stride > row bytes? no:
+          rows are contiguous; block stride is folded into flat ids).
+      slots: (rows, K) int32, compacted valid flat rows then -1; K in widths.
+      counts: (rows,) int32, valid entries of each slots row.
+      out: (rows, H, 512) bfloat16, written in full.
+      lse: (rows, H) float32 natural-log LSE, or None when return_lse is False.
+      block_size, rows_per_block_stride: the paged layout (trtllm pages).
+    """
+
+    name: ClassVar[str]
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_rows: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        *,
+        block_size: int,
+        rows_per_block_stride: int,
+    ) -> None: ...
