@@ -181,7 +181,7 @@ def make_paged_cache(
     block_stride: rows between consecutive blocks in memory (>= block_size);
     the result is then a strided view, as vLLM's hybrid caches are. Random
     bytes (not zeros) so a kernel that reads an unwritten row is noticed;
-    fp8 bytes are drawn away from NaN codes.
+    e4m3 bytes (fp8 rows; nvfp4 RoPE and scales) are drawn away from NaN codes.
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
@@ -194,6 +194,7 @@ def make_paged_cache(
         raw &= 0xF7  # clears exponent bit 0 of every byte: 0x7F/0xFF (NaN) cannot occur
         storage = raw.view(torch.float8_e4m3fn)
     else:
+        raw[..., NVFP4_ROPE_OFFSET:] &= 0xF7  # the e4m3 RoPE and scale bytes: no NaN codes either
         storage = raw
     return storage.to(device)[:, :block_size]
 

@@ -48,6 +48,8 @@ def reference_decode(
     if valid.any() and int(ids[valid].max()) >= kv_rows.shape[0]:
         raise ValueError(f"slots index past the cache ({kv_rows.shape[0]} rows)")
     kv = dequantize_rows(kv_rows[ids.reshape(-1)], fmt).reshape(rows, width, HEAD_DIM)
+    # Unused entries read row 0 as a placeholder; its bytes may decode to NaN, and 0 * NaN is NaN.
+    kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     q = query.float()
     logits = torch.einsum("rhd,rkd->rhk", q, kv) * softmax_scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
