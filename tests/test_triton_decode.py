@@ -1,0 +1,237 @@
+"""Tests of the Triton sparse MLA decode (kernels/triton_decode.py) against reference_decode.
+
+CPU (TRITON_INTERPRET=1): a few tiny cases; GPU: every head count, both formats, rows 1..320.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
+from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels.triton_decode import (
+    Config,
+    TritonDecode,
+    choose_splits,
+    default_config,
+    make_workspace,
+    sparse_mla_decode,
+)
+from vllm_kimi_dsa.reference import reference_decode
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+FORMATS = ("fp8", "nvfp4_ds_mla")
+
+# Tolerances. The kernel's own arithmetic: e4m3 x e4m3 (and e2m1*scale x e4m3, exact in fp16)
+# products are exact in the fp32 accumulator, so logits and LSE differ from float32 only by
+# summation order (LSE_ATOL). P is rounded to fp16 (2**-11 relative) before the P.V dot and the
+# result to bf16 (8-bit significand, RNE: <= 2**-8 relative): per element
+# |out - ref| <= 2**-8 |ref| + the P error, which is <= 2**-11 * sum_j p_j |v_j| / l
+# <= 2**-11 * max|v| * output_scale. So:
+# Triton's interpreter (CPU) truncates fp32 -> bf16 instead of rounding: one ulp, 2**-7 relative.
+BF16_REL = 2.0**-8 if GPU else 2.0**-7
+OUT_REL = BF16_REL + 2.0**-12  # of |ref|: the bf16 rounding, plus slack for fp32 summation order
+P_ERR = 2.0**-10  # of max_j |v_j| * output_scale (the fp16 P bound doubled for the split combine)
+NORM_REL = BF16_REL + 2.0**-10  # ||out - ref|| / ||ref|| per (row, head): worst-case rounding + P
+LSE_ATOL = 2e-4  # mma.sync / interpreter paths (H <= 32): fp32 accumulation, ~1e-5 seen
+# H >= 64 runs Q.K on Hopper fp8 wgmma, whose accumulator keeps fewer bits than fp32 even when
+# promoted every 32 products: LSE errors up to 1.4e-3 (|LSE| ~ 10-30) were measured on the H200;
+# a logit error e moves each p by a factor exp(+-e), so the output bound gains 2e * max|v|.
+WGMMA_LOGIT_ERR = 3e-3
+
+
+def _case(rows: int, heads: int, width: int, fmt: str, *, seed: int, holes: bool = True, num_rows: int = 4099):
+    """Fresh random inputs: rows of N(0,1) quantized (with a few large ones), e4m3 queries,
+    compacted slots with -1 holes and out-of-range junk past counts, count-0 and odd counts."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, 576, generator=g)
+    x[::7] *= 8.0  # some rows with large values: exercises nvfp4 scales and peaked softmax
+    kv = quantize_rows(x, fmt)
+    q = (torch.randn(rows, heads, 576, generator=g) * 1.5).to(torch.float8_e4m3fn)
+    slots = torch.randint(0, num_rows, (rows, width), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    counts[0] = width
+    if rows > 1:
+        counts[1] = 0
+    if rows > 2:
+        counts[2] = 1
+    if rows > 3:
+        counts[3] = width - 1
+    pos = torch.arange(width).expand(rows, width)
+    past = pos >= counts.long().unsqueeze(1)
+    # Entries past the count are garbage: far out of range, so reading one faults / sanitizer fires.
+    junk = torch.randint(1 << 28, 1 << 30, (rows, width), generator=g, dtype=torch.int32)
+    slots = torch.where(past, junk, slots)
+    if holes:
+        hole = (torch.rand(rows, width, generator=g) < 0.1) & ~past
+        slots = torch.where(hole, torch.full_like(slots, -1), slots)
+        if rows > 4:
+            slots[4, : counts[4]] = -1  # a row whose every entry is a hole: out 0, LSE -inf
+    softmax_scale = 1.0 / math.sqrt(576.0) * 0.7
+    output_scale = 0.37
+    dev = DEVICE
+    return (q.to(dev), kv.to(dev), slots.to(dev), counts.to(dev), softmax_scale, output_scale)
+
+
+def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale):
+    logit_err = WGMMA_LOGIT_ERR if (GPU and q.shape[1] > 32) else 0.0
+    ref_out, ref_lse = reference_decode(
+        q, kv, slots, counts, fmt=fmt, softmax_scale=softmax_scale, output_scale=output_scale
+    )
+    assert torch.isfinite(out).all(), "NaN/inf (or the poison) left in out"
+    o = out.float()
+    valid = (torch.arange(slots.shape[1], device=slots.device) < counts.long().unsqueeze(1)) & (slots >= 0)
+    empty = ~valid.any(dim=1)
+    assert (o[empty] == 0).all(), "a row with no valid entry must give out 0"
+    assert (lse[empty] == float("-inf")).all(), "a row with no valid entry must give LSE -inf exactly"
+    assert torch.isfinite(lse[~empty]).all(), "finite LSE expected where a row has entries"
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=LSE_ATOL + logit_err, rtol=0)
+    # max |v| of the selected rows, per row, bounds the fp16-P error term
+    vmax = torch.zeros(slots.shape[0], device=o.device)
+    from vllm_kimi_dsa.formats import dequantize_rows
+
+    for i in range(slots.shape[0]):
+        ids = slots[i][valid[i]].long()
+        if ids.numel():
+            vmax[i] = dequantize_rows(kv[ids], fmt)[:, :LATENT_DIM].abs().max()
+    bound = OUT_REL * ref_out.abs() + (P_ERR + 2 * logit_err) * (vmax * output_scale).view(-1, 1, 1)
+    err = (o - ref_out).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"|out - ref| exceeds the bound by {worst}"
+    nz = ~empty
+    num = (o - ref_out)[nz].norm(dim=-1)
+    den = ref_out[nz].norm(dim=-1).clamp_min(1e-30)
+    # the norm check only where the logits are exact to fp32 (the wgmma error is bounded above)
+    if not logit_err:
+        assert (num / den).max().item() <= NORM_REL
+
+
+def _run_functional(rows, heads, width, fmt, seed, *, with_lse=True, config=None, splits=None):
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=seed)
+    out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((rows, heads), float("nan"), device=DEVICE) if with_lse else None
+    sparse_mla_decode(
+        q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+        config=config, splits=splits,
+    )
+    if lse is None:
+        _, lse = reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_)
+    _check(out, lse, q, kv, slots, counts, fmt, ss, os_)
+
+
+# --------------------------------------------------------------------------- CPU + GPU (tiny)
+
+TINY = [  # (rows, heads, width): the interpreter runs each in about a second
+    (5, 12, 128),
+    (3, 16, 256),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,heads,width", TINY)
+def test_tiny(fmt, rows, heads, width):
+    _run_functional(rows, heads, width, fmt, seed=rows * 1000 + heads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiny_splits_and_128_heads(fmt):
+    # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.
+    _run_functional(2, 128, 256, fmt, seed=7, splits=3)
+    _run_functional(3, 16, 256, fmt, seed=8, splits=1, with_lse=False)
+
+
+def test_bad_input_names_argument():
+    q, kv, slots, counts, ss, os_ = _case(2, 16, 128, "fp8", seed=1)
+    out = torch.empty((2, 16, LATENT_DIM), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match="query"):
+        sparse_mla_decode(q.float(), kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out)
+    with pytest.raises(ValueError, match="slots"):
+        sparse_mla_decode(q, kv, slots.long(), counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out)
+    with pytest.raises(TypeError, match="kv_rows"):
+        sparse_mla_decode(q, kv, slots, counts, fmt="nvfp4_ds_mla", softmax_scale=ss, output_scale=os_, out=out)
+    with pytest.raises(ValueError, match="out"):
+        sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out.float())
+
+
+def test_split_heuristic_fills_the_chip():
+    cfg = default_config(128, "fp8")
+    assert choose_splits(320, 128, 2048, cfg, 132) == 1
+    s5 = choose_splits(5, 128, 2048, cfg, 132)
+    assert 5 * 2 * s5 >= 100, s5  # 5 rows x 2 head tiles x splits must come near 132 SMs
+    ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=default_config(16, "fp8"))
+    assert ws.capacity >= max(r * choose_splits(r, 16, 2048, default_config(16, "fp8"), 4) * 16 for r in range(1, 65))
+
+
+def test_kernel_class_protocol():
+    setup = DecodeSetup(
+        device=DEVICE, fmt="nvfp4_ds_mla", heads=12, row_counts=(1, 5), capacities=(), widths=(128,),
+        return_lse=True, softmax_scale=0.04, output_scale=1.0,
+    )
+    k = TritonDecode(setup)
+    assert k.name == "triton"
+    q, kv, slots, counts, _, _ = _case(5, 12, 128, "nvfp4_ds_mla", seed=3)
+    out = torch.full((5, 12, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((5, 12), float("nan"), device=DEVICE)
+    k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+    _check(out, lse, q, kv, slots, counts, "nvfp4_ds_mla", 0.04, 1.0)
+    q2, kv2, slots2, counts2, _, _ = _case(5, 12, 256, "nvfp4_ds_mla", seed=4)
+    with pytest.raises(ValueError, match="width"):  # a width never planned
+        k(q2, kv2, slots2, counts2, out, lse, block_size=64, rows_per_block_stride=64)
+
+
+# --------------------------------------------------------------------------- GPU sweep
+
+gpu = pytest.mark.skipif(not GPU, reason="the full sweep needs a CUDA GPU (the interpreter is too slow)")
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", [128, 96, 64, 32, 16, 12])
+@pytest.mark.parametrize("rows,width", [(1, 2048), (5, 2048), (7, 128), (33, 1024), (320, 2048)])
+def test_gpu_sweep(fmt, heads, rows, width):
+    _run_functional(rows, heads, width, fmt, seed=rows * 7 + heads * 13 + width)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_odd_rows_and_repeat_is_deterministic(fmt):
+    for rows in (2, 19, 81, 161):
+        _run_functional(rows, 128, 2048, fmt, seed=rows)
+    # same inputs twice: a race would show as a moving result
+    q, kv, slots, counts, ss, os_ = _case(5, 128, 2048, fmt, seed=99)
+    outs = []
+    for _ in range(2):
+        out = torch.full((5, 128, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", [128, 12])
+def test_gpu_cuda_graph_replay(fmt, heads):
+    rows, width = 20, 2048
+    setup = DecodeSetup(
+        device=DEVICE, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(width,),
+        return_lse=True, softmax_scale=1.0 / math.sqrt(576.0) * 0.7, output_scale=0.37,
+    )
+    k = TritonDecode(setup)
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=5)
+    out = torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty((rows, heads), device=DEVICE)
+    k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+    q2, kv2, slots2, counts2, _, _ = _case(rows, heads, width, fmt, seed=6)
+    q.copy_(q2), kv.copy_(kv2), slots.copy_(slots2), counts.copy_(counts2)
+    out.fill_(float("nan")), lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, fmt, ss, os_)
