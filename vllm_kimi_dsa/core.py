@@ -270,12 +270,7 @@ class FlashInferCore:
         Returns latent (rows, H, 512) bf16 and lse (rows, H) float32 natural log
         (None without an lse buffer): views of the model's buffers.
         """
-        _require(query, "query", torch.float8_e4m3fn, self.device)
-        if query.dim() != 3 or query.shape[1:] != (self.heads, HEAD_DIM):
-            raise ValueError(f"query must be (rows, {self.heads}, {HEAD_DIM}), got {tuple(query.shape)}")
-        if not query.is_contiguous():
-            raise ValueError("query must be contiguous")
-        rows = query.shape[0]
+        rows = self._check_query(query)
         kernel = self._kernel_by_rows.get(rows)
         if kernel is None:
             raise ValueError(f"query has {rows} rows; the kernel table has only {sorted(self.kernels)}")
@@ -296,14 +291,23 @@ class FlashInferCore:
         kernel(query, kv_rows, slots, counts, out, lse, block_size=block_size, rows_per_block_stride=stride_rows)
         return out, lse
 
+    def _check_query(self, query: torch.Tensor) -> int:
+        _require(query, "query", torch.float8_e4m3fn, self.device)
+        if query.dim() != 3 or query.shape[1:] != (self.heads, HEAD_DIM):
+            raise ValueError(f"query must be (rows, {self.heads}, {HEAD_DIM}), got {tuple(query.shape)}")
+        if not query.is_contiguous():
+            raise ValueError("query must be contiguous")
+        return query.shape[0]
+
     def run(
         self, query: torch.Tensor, cache: torch.Tensor, topk: torch.Tensor, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """convert then decode: topk (>= rows, K) ids -> latent (rows, H, 512), lse (rows, H)."""
+        # Checked before convert writes the model's slots/counts: a rejected call leaves them as they were.
+        rows = self._check_query(query)
         block_size = int(metadata.block_size)
         _, stride_rows = self.rows(cache, block_size)
         interleave = int(getattr(metadata, "cp_kv_cache_interleave_size", 1) or 1)
-        rows = query.shape[0] if isinstance(query, torch.Tensor) else -1
         slots, counts = self.convert(topk, metadata, rows, stride_rows, interleave)
         return self.decode(query, cache, slots, counts, block_size)
 

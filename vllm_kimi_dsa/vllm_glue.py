@@ -1,0 +1,366 @@
+"""vLLM glue: detect the FLASHINFER_MLA_SPARSE path, wire one FlashInferCore per DSA layer, the plugin hook.
+
+The only module of the package that imports vLLM, and only inside functions, so it loads without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from vllm_kimi_dsa.dcp import LOG2_E
+from vllm_kimi_dsa.formats import LATENT_DIM, normalize_format
+
+logger = logging.getLogger(__name__)
+
+KERNEL_TABLE_ENV = "VLLM_KIMI_DSA_KERNEL_TABLE"  # = dispatch.KERNEL_TABLE_ENV (dispatch imports torch only)
+_IMPL_PATH = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+
+_registered = False
+
+
+# ---------------------------------------------------------------------- detection
+
+
+def _flashinfer_sparse_impl_cls() -> type | None:
+    """vLLM's FlashInferMLASparseImpl, or None when vLLM (or that backend) cannot be imported."""
+    try:
+        from importlib import import_module
+
+        return getattr(import_module(_IMPL_PATH), "FlashInferMLASparseImpl", None)
+    except Exception:  # vLLM missing, or broken on this machine: not our path, never an error
+        return None
+
+
+def _impl_and_layer(attention: Any) -> tuple[Any, Any] | None:
+    """(impl, MLAAttention layer) of a DSA attention module, following both chains of SPEC 8.
+
+    Generic path: attention.mla_attn (MultiHeadLatentAttentionWrapper).mla_attn (MLAAttention).impl;
+    CUDA V3.2 path: attention is the MLAAttention itself (attention.impl).
+    """
+    wrapper = getattr(attention, "mla_attn", None)
+    inner = getattr(wrapper, "mla_attn", None) if wrapper is not None else None
+    impl = getattr(inner, "impl", None) if inner is not None else None
+    if impl is not None:
+        return impl, inner
+    impl = getattr(attention, "impl", None)
+    if impl is not None:
+        return impl, attention
+    return None
+
+
+def dsa_on_flashinfer(attention: Any) -> bool:
+    """True when `attention` runs on vLLM's FLASHINFER_MLA_SPARSE impl (SPEC 5, 8).
+
+    attention: a DSA attention module (`.mla_attn.mla_attn.impl`) or an MLAAttention (`.impl`).
+    False, never an exception, when vLLM is missing or the chain is absent.
+    """
+    found = _impl_and_layer(attention)
+    if found is None:
+        return False
+    cls = _flashinfer_sparse_impl_cls()
+    return cls is not None and isinstance(found[0], cls)
+
+
+def dsa_layers(model: Any) -> list[Any]:
+    """The attention modules of `model` (an nn.Module) whose impl is FlashInferMLASparseImpl, in order.
+
+    A wrapper and the MLAAttention inside it share one impl; each impl is listed once (the outer module).
+    """
+    seen: set[int] = set()
+    found: list[Any] = []
+    for module in model.modules():
+        if not dsa_on_flashinfer(module):
+            continue
+        impl = _impl_and_layer(module)[0]  # type: ignore[index]
+        if id(impl) not in seen:
+            seen.add(id(impl))
+            found.append(module)
+    return found
+
+
+# ---------------------------------------------------------------------- kernel table
+
+
+def kernel_table(
+    batch_sizes: Iterable[int],
+    *,
+    dcp: int,
+    heads: int,
+    kv_cache_dtype: str,
+    device: torch.device | str,
+    table: str | os.PathLike[str] | Mapping[int, str] | None = None,
+) -> dict[int, str]:
+    """{rows: kernel name} for every batch size, as the core wants it.
+
+    table: a {rows: name} mapping used as is; or a measured table file
+        (`dispatch.load_kernel_table`: {"tp": spec, "dcp": spec}); None: the file named by
+        env VLLM_KIMI_DSA_KERNEL_TABLE, else the built-in FI_KERNEL (dispatch.kernel_for).
+        Either way `kernel_for` picks among what `fi_kernels` says this machine runs.
+    """
+    from vllm_kimi_dsa import dispatch
+
+    sizes = sorted({int(r) for r in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_sizes must be positive ints, got {sizes}")
+    if isinstance(table, Mapping):
+        missing = [r for r in sizes if r not in table]
+        if missing:
+            raise ValueError(f"kernels: batch sizes {missing} have no kernel in the given table")
+        return {r: str(table[r]) for r in sizes}
+    measured = dispatch.load_kernel_table(table) if table is not None else None
+    available = dispatch.fi_kernels(kv_cache_dtype, device=torch.device(device))
+    return {r: dispatch.kernel_for(r, dcp, available, heads, table=measured) for r in sizes}
+
+
+# ---------------------------------------------------------------------- the model's cores
+
+
+@dataclass(frozen=True)
+class SharedBuffers:
+    """The buffers every layer's core writes into, sized for the largest batch R.
+
+    slots (R, K) int32, counts (R,) int32, latent (R*H*512,) bf16, lse (R*H,) fp32 or None.
+    """
+
+    slots: torch.Tensor
+    counts: torch.Tensor
+    latent: torch.Tensor
+    lse: torch.Tensor | None
+
+    def as_tuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.slots, self.counts, self.latent, self.lse
+
+
+class KimiDSACores:
+    """One FlashInferCore per Kimi K3.1 DSA layer, all on one set of shared buffers.
+
+    layers: per DSA layer, a vLLM attention module (see `dsa_on_flashinfer`) or an
+        `(impl, layer)` pair (impl: FlashInferMLASparseImpl or a stand-in; layer: has
+        `_q_scale_float`, `_k_scale_float`). Build after the weights are loaded: the
+        FP8 scales are read here and folded into the plans.
+    heads: query heads H per row as the decode query carries them (padded mailbox).
+    batch_sizes: every decode batch size (rows) the model runs (cudagraph capture
+        sizes and every eager size); R = max(batch_sizes) sizes the buffers.
+    width: top-k width K (K3.1: 2048; the indexer's topk_indices_buffer width).
+    kv_cache_dtype: "fp8"/"fp8_e4m3"/"nvfp4_ds_mla"; default the impls' kv_cache_dtype.
+    dcp, rank: default the impl's dcp_world_size / dcp_rank (1 / 0 when absent).
+    kernels: {rows: name} to force, else `table` / env / dispatch picks (see kernel_table).
+    capacities: prims_ts plan capacities (sorted); None plans each batch size.
+    return_lse: default dcp > 1 (vLLM's DCP combine needs the LSE).
+    lse_base2: hand back base-2 LSE (converted in place in the shared buffer);
+        default `not impl.lse_base_on_e` (vLLM's FlashInferMLASparseImpl: base 2).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        *,
+        heads: int,
+        batch_sizes: Iterable[int],
+        width: int = 2048,
+        kv_cache_dtype: str | None = None,
+        dcp: int | None = None,
+        rank: int | None = None,
+        device: torch.device | str | None = None,
+        kernels: Mapping[int, str] | None = None,
+        table: str | os.PathLike[str] | None = None,
+        capacities: Sequence[int] | None = None,
+        return_lse: bool | None = None,
+        lse_base2: bool | None = None,
+        validate: bool = False,
+    ) -> None:
+        from vllm_kimi_dsa.core import FlashInferCore
+
+        if not layers:
+            raise ValueError("layers must hold at least one DSA layer")
+        pairs = []
+        for i, item in enumerate(layers):
+            pair = item if isinstance(item, tuple) and len(item) == 2 else _impl_and_layer(item)
+            if pair is None:
+                raise TypeError(f"layers[{i}] ({type(item).__name__}) has no .mla_attn.mla_attn.impl or .impl")
+            pairs.append(pair)
+        impl0 = pairs[0][0]
+        fmt_name = kv_cache_dtype if kv_cache_dtype is not None else getattr(impl0, "kv_cache_dtype", "fp8")
+        self.fmt = normalize_format(fmt_name)
+        for i, (impl, _) in enumerate(pairs):
+            if kv_cache_dtype is None and normalize_format(getattr(impl, "kv_cache_dtype", "fp8")) != self.fmt:
+                raise ValueError(f"layers[{i}]: kv_cache_dtype {impl.kv_cache_dtype!r} differs from layer 0's {fmt_name!r}")
+        self.dcp = int(dcp if dcp is not None else getattr(impl0, "dcp_world_size", 1) or 1)
+        self.rank = int(rank if rank is not None else getattr(impl0, "dcp_rank", 0) or 0)
+        self.heads = int(heads)
+        if not isinstance(width, int) or width < 128 or width % 128:
+            raise ValueError(f"width must be a positive multiple of 128, got {width!r}")
+        self.width = width
+        self.batch_sizes = tuple(sorted({int(r) for r in batch_sizes}))
+        if not self.batch_sizes or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
+        self.max_rows = self.batch_sizes[-1]
+        if device is None:
+            ws = getattr(impl0, "_workspace_buffer", None)
+            device = ws.device if isinstance(ws, torch.Tensor) else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.return_lse = self.dcp > 1 if return_lse is None else bool(return_lse)
+        self.lse_base2 = (not getattr(impl0, "lse_base_on_e", True)) if lse_base2 is None else bool(lse_base2)
+
+        self.kernels = kernel_table(
+            self.batch_sizes,
+            dcp=self.dcp,
+            heads=self.heads,
+            kv_cache_dtype=self.fmt,
+            device=self.device,
+            table=kernels if kernels is not None else table,
+        )
+        if "trtllm" in self.kernels.values():
+            for impl, layer in pairs:
+                # vLLM sets the trtllm-gen workspace lazily on the first forward; the core needs it now.
+                if getattr(impl, "_workspace_buffer", None) is None and hasattr(impl, "_prepare_mqa_kernel"):
+                    impl._prepare_mqa_kernel(layer, self.device)
+
+        r, h, k = self.max_rows, self.heads, self.width
+        # Initial contents are never read (the core writes before anything reads); fill for determinism.
+        self.buffers = SharedBuffers(
+            slots=torch.full((r, k), -1, dtype=torch.int32, device=self.device),
+            counts=torch.zeros((r,), dtype=torch.int32, device=self.device),
+            latent=torch.zeros((r * h * LATENT_DIM,), dtype=torch.bfloat16, device=self.device),
+            lse=torch.zeros((r * h,), dtype=torch.float32, device=self.device) if self.return_lse else None,
+        )
+        self.cores = [
+            FlashInferCore(
+                impl,
+                layer,
+                h,
+                self.buffers.as_tuple(),
+                self.kernels,
+                dcp=self.dcp,
+                rank=self.rank,
+                capacities=capacities,
+                widths=(k,),
+                kv_cache_dtype=self.fmt,
+                validate=validate,
+            )
+            for impl, layer in pairs
+        ]
+
+    @classmethod
+    def from_vllm(cls, layers: Sequence[Any], vllm_config: Any, **overrides: Any) -> "KimiDSACores":
+        """Cores for a vLLM model: batch sizes from the cudagraph capture sizes and max_num_seqs.
+
+        layers: the DSA attention modules (e.g. `dsa_layers(model)`); vllm_config: vLLM's VllmConfig.
+        Every decode batch 1..R runs (eager batches are not padded), R = max(max capture size,
+        max_num_seqs); the capture sizes become the prims_ts plan capacities.
+        overrides: any keyword of KimiDSACores (heads, width, kernels, table, ...).
+        """
+        if not layers:
+            raise ValueError("layers must hold at least one DSA layer")
+        pair = layers[0] if isinstance(layers[0], tuple) else _impl_and_layer(layers[0])
+        if pair is None:
+            raise TypeError(f"layers[0] ({type(layers[0]).__name__}) has no .mla_attn.mla_attn.impl or .impl")
+        impl = pair[0]
+        capture = sorted(int(s) for s in (getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()))
+        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        max_rows = max([max_seqs, *capture])
+        dcp = int(getattr(impl, "dcp_world_size", 1) or 1)
+        heads = getattr(impl, "q_pad_num_heads", None) or int(impl.num_heads) * dcp
+        hf = getattr(vllm_config.model_config, "hf_text_config", None)
+        width = int(getattr(hf, "index_topk", 2048) or 2048)
+        width = -(-width // 128) * 128
+        kw: dict[str, Any] = dict(
+            heads=int(heads),
+            batch_sizes=range(1, max_rows + 1),
+            width=width,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else None,
+            capacities=sorted(set(capture) | {max_rows}),
+        )
+        kw.update(overrides)
+        return cls(layers, **kw)
+
+    def __len__(self) -> int:
+        return len(self.cores)
+
+    def forward(
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk: torch.Tensor,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer's decode: convert the indexer's top-k and run the sparse MLA kernel.
+
+        query: (rows, H, 576) float8_e4m3fn, the decode tokens (vLLM's mqa_q).
+        kv_cache: (num_blocks, block_size, row_bytes), this layer's paged cache.
+        topk: (>= rows, K) int32, the indexer's topk_indices_buffer (request-local ids, -1 holes).
+        attn_metadata: vLLM's SparseMLACommonMetadata (req_id_per_token, block_table,
+            block_size, cp_kv_cache_interleave_size).
+        Returns latent (rows, H, 512) bf16 and lse (rows, H) fp32 (base 2 when lse_base2,
+        else natural; None without return_lse): views of the shared buffers, valid
+        until the next layer's forward.
+        """
+        if not isinstance(layer_index, int) or not 0 <= layer_index < len(self.cores):
+            raise ValueError(f"layer_index={layer_index!r} must be an int in [0, {len(self.cores)})")
+        out, lse = self.cores[layer_index].run(query, kv_cache, topk, attn_metadata)
+        if lse is not None and self.lse_base2:
+            lse.mul_(LOG2_E)  # in place: no allocation, graph-safe; -inf stays -inf
+        return out, lse
+
+    __call__ = forward
+
+    def counts(self, rows: int) -> torch.Tensor:
+        """(rows,) int32: the last forward's valid-token count per row on this rank."""
+        return self.buffers.counts[:rows]
+
+
+# ---------------------------------------------------------------------- plugin
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (`vllm.general_plugins`: kimi_k3_dsa).
+
+    vLLM 0.33 has no Kimi K3.1 DSA model class, so nothing is put in ModelRegistry and no
+    backend is overridden (FLASHINFER_MLA_SPARSE stays vLLM's own): the model wires
+    KimiDSACores itself. This only checks, once per process, that the backend module exists
+    and that a kernel-table file named by VLLM_KIMI_DSA_KERNEL_TABLE loads, logging what fails.
+    Idempotent, cheap, never raises.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        from importlib.util import find_spec
+
+        # find_spec, not import: importing the backend resolves vLLM's platform, too early in a plugin.
+        if find_spec(_IMPL_PATH) is None:
+            logger.info("vllm_kimi_dsa: vLLM's FLASHINFER_MLA_SPARSE backend is absent; the DSA core stays unused")
+            return
+        path = os.environ.get(KERNEL_TABLE_ENV)
+        if path:
+            from vllm_kimi_dsa import dispatch
+
+            dispatch.load_kernel_table(path)
+            logger.info("vllm_kimi_dsa: kernel table %s loaded", path)
+        logger.debug("vllm_kimi_dsa: plugin registered")
+    except Exception as e:  # a plugin must never take vLLM down
+        logger.warning("vllm_kimi_dsa: plugin registration failed: %s", e)
+
+
+def is_registered() -> bool:
+    """Whether register() ran in this process."""
+    return _registered
+
+
+__all__ = [
+    "KERNEL_TABLE_ENV",
+    "KimiDSACores",
+    "SharedBuffers",
+    "dsa_layers",
+    "dsa_on_flashinfer",
+    "is_registered",
+    "kernel_table",
+    "register",
+]
