@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Pictures and the README table from bench_suite.json: µs and TFLOP/s vs rows per kernel, floors drawn in.
+
+    python3 benchmarks/plot.py [JSON] [--out-dir benchmarks/results]   -> bench_H128.png, bench_H16_H12.png,
+                                                                           bench_suite.md (also printed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_JSON = HERE / "results" / "bench_suite.json"
+# One colour per kernel family/format, so a kernel and its floor line match.
+COLORS = {
+    "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
+    "torch/fp8->bf16": "tab:gray", "convert+triton/fp8": "tab:purple",
+}
+HEAD_GROUPS = {"bench_H128.png": (128,), "bench_H16_H12.png": (16, 12)}
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "results" not in data:
+        raise ValueError(f"{path}: not a bench_suite.json (no 'results')")
+    return data
+
+
+def decode_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in data["results"] if r.get("section") == "decode" and "us" in r]
+
+
+def _series(recs: list[dict[str, Any]], kernel: str, heads: int, key: str) -> tuple[list[int], list[float]]:
+    pts = sorted((r["rows"], r[key]) for r in recs if r["kernel"] == kernel and r["heads"] == heads)
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """One PNG per head group: per head count, µs vs rows (log-log) and TFLOP/s-eq vs rows, floors dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = decode_rows(data)
+    kernels = sorted({r["kernel"] for r in recs})
+    gpu = data.get("info", {}).get("gpu", "?")
+    written = []
+    for name, group in HEAD_GROUPS.items():
+        heads_here = [h for h in group if any(r["heads"] == h for r in recs)]
+        if not heads_here:
+            continue
+        fig, axes = plt.subplots(len(heads_here), 2, figsize=(12, 4.2 * len(heads_here)), squeeze=False)
+        for row, heads in enumerate(heads_here):
+            ax_us, ax_tf = axes[row]
+            for k in kernels:
+                x, us = _series(recs, k, heads, "us")
+                if not x:
+                    continue
+                color = COLORS.get(k)
+                _, tf = _series(recs, k, heads, "tflops")
+                _, floor = _series(recs, k, heads, "floor_us")
+                _, flops = _series(recs, k, heads, "flops")
+                ax_us.plot(x, us, "o-", color=color, label=k)
+                ax_us.plot(x, floor, "--", color=color, alpha=0.6, label=f"{k} floor")
+                ax_tf.plot(x, tf, "o-", color=color, label=k)
+                ax_tf.plot(x, [f / (t * 1e-6) / 1e12 for f, t in zip(flops, floor)], "--", color=color, alpha=0.6,
+                           label=f"{k} floor")
+            for ax, ylabel in ((ax_us, "µs per call"), (ax_tf, "TFLOP/s-equivalent")):
+                ax.set_xscale("log")
+                ax.set_xlabel("rows (decode tokens)")
+                ax.set_ylabel(ylabel)
+                ax.set_title(f"H={heads}, K=2048 — {gpu}")
+                ax.grid(True, which="both", alpha=0.3)
+            ax_us.set_yscale("log")
+            ax_us.legend(fontsize=7, ncol=2)
+        fig.suptitle("sparse MLA decode (dashed: max(bytes / copy bandwidth, flops / matmul rate))", fontsize=10)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _fmt(x: Any, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> str:
+    """The README tables: ceilings; decode µs (TFLOP/s, fraction of floor) per H; accuracy; converter; fused."""
+    info = data.get("info", {})
+    ceil = info.get("ceilings", {})
+    recs = decode_rows(data)
+    lines = [
+        f"Measured on {info.get('gpu', '?')} ({info.get('date', '?')}; torch {info.get('torch', '?')}, "
+        f"triton {info.get('triton', '?')}, peer: {info.get('flashinfer', '?')}). K = 2048, CUDA graphs, "
+        "inputs rotated past L2.",
+        "",
+        f"Ceilings: copy {_fmt(ceil.get('copy_GBps'), 0)} GB/s (read + written), BF16 matmul "
+        f"{_fmt(ceil.get('bf16_TFLOPs'), 0)} TFLOP/s, FP8 matmul {_fmt(ceil.get('fp8_TFLOPs'), 0)} TFLOP/s.",
+        "Cells: µs per call (TFLOP/s-eq = 2·rows·H·K·1088/t; fraction of the floor max(bytes/copy, flops/matmul)).",
+        "",
+    ]
+    kernels = sorted({r["kernel"] for r in recs})
+    all_rows = sorted({r["rows"] for r in recs})
+    show = [r for r in (rows_show or all_rows) if r in all_rows]
+    for heads in sorted({r["heads"] for r in recs}, reverse=True):
+        lines.append(f"**H = {heads}**")
+        lines.append("")
+        lines.append("| kernel | " + " | ".join(f"{r} rows" for r in show) + " |")
+        lines.append("|---|" + "---|" * len(show))
+        for k in kernels:
+            cells = []
+            for rw in show:
+                hit = [r for r in recs if r["kernel"] == k and r["heads"] == heads and r["rows"] == rw]
+                cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f})" if hit else "-")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines.append("")
+    acc = data.get("accuracy", [])
+    if acc:
+        lines += ["**Error vs the float32 reference** (ragged counts, -1 tails)", "",
+                  "| kernel | rows | H | rel L2 | max abs |", "|---|---|---|---|---|"]
+        for a in sorted(acc, key=lambda a: (a["kernel"], a["rows"], -a["heads"])):
+            lines.append(f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['max_abs']:.2e} |")
+        lines.append("")
+    conv = [r for r in data["results"] if r.get("section") == "convert" and "us" in r]
+    if conv:
+        lines += ["**Converter vs a copy of the same bytes** (rows·K·4 read + written)", "",
+                  "| rows | convert µs | copy µs | ratio |", "|---|---|---|---|"]
+        for r in sorted(conv, key=lambda r: r["rows"]):
+            lines.append(f"| {r['rows']} | {r['us']:.2f} | {r['copy_us']:.2f} | {r['vs_copy']:.2f} |")
+        lines.append("")
+    fused = [r for r in data["results"] if r.get("section") == "fused" and "us" in r]
+    if fused:
+        lines += ["**Convert + decode in one graph vs decode alone** (triton, fp8)", "",
+                  "| rows | H | both µs | decode µs | convert adds µs |", "|---|---|---|---|---|"]
+        for r in sorted(fused, key=lambda r: (-r["heads"], r["rows"])):
+            lines.append(f"| {r['rows']} | {r['heads']} | {r['us']:.2f} | {r['decode_us']:.2f} | "
+                         f"{r['convert_overhead_us']:.2f} |")
+        lines.append("")
+    base = [r for r in data["results"] if r.get("section") == "torch" and "us" in r]
+    if base:
+        lines += ["**Plain torch** (gather, dequantize to BF16, BF16 bmm)", "",
+                  "| rows | H | µs | TFLOP/s-eq |", "|---|---|---|---|"]
+        for r in sorted(base, key=lambda r: (-r["heads"], r["rows"])):
+            lines.append(f"| {r['rows']} | {r['heads']} | {r['us']:.1f} | {r['tflops']:.1f} |")
+        lines.append("")
+    fails = data.get("failures", [])
+    if fails:
+        lines.append(f"{len(fails)} measurement(s) failed: " + "; ".join(
+            f"{f.get('kernel')} rows={f.get('rows')} H={f.get('heads')}: {f.get('error', '')[:80]}" for f in fails[:5]))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
+    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--rows", default="1,2,4,5,8,16,20,64,80,160,320", help="columns of the markdown table")
+    args = ap.parse_args(argv)
+    data = load(args.json)
+    paths = plot(data, args.out_dir)
+    md = markdown(data, tuple(int(x) for x in args.rows.split(",") if x))
+    md_path = Path(args.out_dir) / "bench_suite.md"
+    md_path.write_text(md)
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in [*paths, md_path]), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

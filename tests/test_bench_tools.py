@@ -1,0 +1,185 @@
+"""benchmarks/: the suite's metrics, data and plain-torch baseline on a CPU, the plots and README table from a
+synthetic bench_suite.json, the peer's scale mapping, and run_h200.sh's shape (syntax, <= 8 output files).
+
+CPU only, about 10 s (most of it matplotlib and one 3-row K=2048 reference); nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_suite as bs  # noqa: E402
+import peer_fa3  # noqa: E402
+import plot  # noqa: E402
+
+from vllm_kimi_dsa.formats import unpack_nvfp4  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+
+CEIL = {"copy_GBps": 4000.0, "bf16_TFLOPs": 800.0, "fp8_TFLOPs": 1600.0}
+
+
+@pytest.fixture(scope="module")
+def data():
+    # 4096 base rows + 63 windows of 64: ~8k rows of each format on the CPU
+    return bs.Data(torch.device("cpu"), base_rows=4096, shift=64, with_bf16=True)
+
+
+# ---------------------------------------------------------------- suite pieces
+
+
+def test_metrics_hand_computed():
+    m = bs.metrics(2, 16, 10.0, "fp8", 1, "fp8", CEIL)
+    flops = 2 * 2 * 16 * 2048 * 1088
+    kv = 2 * 2048 * 576
+    io = 2 * 16 * 576 * 1 + 2 * 16 * 512 * 2
+    assert m["flops"] == flops and m["kv_bytes"] == kv
+    assert m["tflops"] == pytest.approx(flops / 10e-6 / 1e12, abs=0.01)
+    assert m["kv_GBps"] == pytest.approx(kv / 10e-6 / 1e9, abs=0.1)
+    assert m["floor_bw_us"] == pytest.approx((kv + io) / 4000e9 * 1e6, abs=1e-3)
+    assert m["floor_flops_us"] == pytest.approx(flops / 1600e12 * 1e6, abs=1e-3)
+    assert m["floor_bound"] == "bandwidth" and m["floor_us"] == m["floor_bw_us"]
+    assert m["of_floor"] == pytest.approx(m["floor_us"] / 10.0, abs=1e-3)
+    # compute-bound at many heads with a slow matmul; a missing fp8 rate falls back to bf16
+    m2 = bs.metrics(320, 128, 1000.0, "nvfp4_ds_mla", 1, "fp8", {**CEIL, "fp8_TFLOPs": None, "bf16_TFLOPs": 50.0})
+    assert m2["floor_bound"] == "compute"
+    assert m2["floor_us"] == pytest.approx(2 * 320 * 128 * 2048 * 1088 / 50e12 * 1e6, rel=1e-4)
+
+
+def test_n_sets_exceed_l2():
+    for rows in (1, 2, 5, 20, 80, 320):
+        n = bs.n_sets(rows)
+        assert 4 <= n <= bs.MAX_SETS
+        assert n == bs.MAX_SETS or n * rows * bs.K * 352 > 2 * bs.L2_BYTES
+    assert bs.n_sets(320) == 4
+
+
+def test_request_slots_layout():
+    g = torch.Generator().manual_seed(3)
+    bt, slots = bs.request_slots(5, g, torch.device("cpu"), base_rows=64 * 400)
+    assert slots.shape == (5, bs.K) and slots.dtype == torch.int32 and bt.shape == (5, 2 * bs.K // 64)
+    assert len(set(bt.flatten().tolist())) == bt.numel()  # enough blocks: no request shares one
+    for i in range(5):
+        row = slots[i]
+        assert row.unique().numel() == bs.K  # K distinct tokens of the request
+        assert set((row // 64).tolist()) <= set(bt[i].tolist())
+    assert int(slots.min()) >= 0 and int(slots.max()) < 64 * 400
+
+
+def test_data_formats_agree(data):
+    assert torch.equal(data.fp8.float() * bs.K_SCALE, data.bf16.float())  # exact BF16 copy for the peer
+    x = data.bf16.float()
+    y = unpack_nvfp4(data.nvfp4)
+    assert float((y - x).norm() / x.norm()) < 0.15  # e2m1 with 16-value block scales: ~10% error
+    w = data.window("fp8", 3)
+    assert w.shape == (4096, 576) and w.data_ptr() == data.fp8[3 * 64].data_ptr()
+
+
+def test_torch_baseline_and_peer_scales_match_reference(data):
+    """The baseline's numerics, and the peer's scale mapping (sm_scale = scale*q_scale on k*k_scale values)."""
+    inp = bs.error_inputs(3, 4, torch.device("cpu"), data.base_rows)
+    counts = inp["counts"]
+    assert int(counts[1]) == 1 and int(counts[0]) == bs.K
+    sm, osc = bs.scales("fp8")
+    ref, _ = reference_decode(inp["q8"], data.window("fp8", 0), inp["slots"], counts, fmt="fp8",
+                              softmax_scale=sm, output_scale=osc)
+    out = torch.full((3, 4, 512), float("nan"), dtype=torch.bfloat16)
+    bs.torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], counts, out)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 2e-2, err  # BF16 logits and probabilities: ~3 significant digits
+    peer_ref = peer_fa3.reference(inp["q16"], data.window("bf16", 0).double(), inp["slots"], counts.tolist(),
+                                  bs.SCALE * bs.Q_SCALE)
+    assert float((peer_ref - ref.double()).norm() / ref.norm()) < 1e-5  # same math, float64 vs float32
+
+
+def test_summary_table_lists_kernels():
+    recs = [{"section": "decode", "kernel": k, "rows": r, "heads": 128, "us": 10.0 * r, "tflops": 1.0}
+            for k in ("triton/fp8", "fa3/bf16") for r in (1, 5)]
+    text = bs.summary_table(recs)
+    assert "H=128" in text and "triton/fp8" in text and "fa3/bf16" in text and "50.0" in text
+
+
+# ---------------------------------------------------------------- plots / markdown
+
+
+def synthetic_json() -> dict:
+    recs = []
+    for kernel, fmt, compute, qb, speed in (("triton/fp8", "fp8", "fp8", 1, 1.0), ("triton/nvfp4_ds_mla", "nvfp4_ds_mla",
+                                             "fp8", 1, 0.8), ("fa3/bf16", "bf16", "bf16", 2, 1.3)):
+        for heads in (128, 16, 12):
+            for rows in (1, 5, 20, 80, 320):
+                us = speed * (12.0 + 1.1 * rows * (heads / 128 + 0.2))
+                recs.append({"section": "decode", "kernel": kernel, "fmt": fmt, "rows": rows, "heads": heads,
+                             **bs.metrics(rows, heads, us, fmt, qb, compute, CEIL)})
+    recs.append({"section": "convert", "kernel": "convert", "rows": 5, "us": 3.25, "copy_us": 2.5, "vs_copy": 1.3})
+    recs.append({"section": "fused", "kernel": "convert+triton/fp8", "rows": 5, "heads": 128, "us": 20.0,
+                 "decode_us": 17.5, "convert_overhead_us": 2.5, "tflops": 1.0})
+    recs.append({"section": "torch", "kernel": "torch/fp8->bf16", "rows": 5, "heads": 128, "us": 250.0,
+                 "tflops": 0.9})
+    return {
+        "info": {"gpu": "NVIDIA H200", "date": "2026-12-02T20:00:00+00:00", "torch": "2.11", "triton": "3.6",
+                 "flashinfer": "flashinfer 0.7.2.post1", "ceilings": CEIL},
+        "results": recs,
+        "accuracy": [{"kernel": "triton/fp8", "rows": 5, "heads": 128, "rel_l2": 1.234e-3, "max_abs": 2e-3}],
+        "failures": [{"kernel": "fa3/fp8", "rows": 5, "heads": 12, "error": "ValueError: heads"}],
+    }
+
+
+def test_plot_and_markdown(tmp_path):
+    src = tmp_path / "bench_suite.json"
+    data = synthetic_json()
+    src.write_text(json.dumps(data))
+    out = tmp_path / "res"
+    assert plot.main([str(src), "--out-dir", str(out), "--rows", "1,5,320"]) == 0
+    for name in ("bench_H128.png", "bench_H16_H12.png"):
+        blob = (out / name).read_bytes()
+        assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 10_000, name
+    md = (out / "bench_suite.md").read_text()
+    assert "NVIDIA H200" in md and "copy 4000 GB/s" in md and "FP8 matmul 1600 TFLOP/s" in md
+    for heads in (128, 16, 12):
+        assert f"**H = {heads}**" in md
+    assert "| kernel | 1 rows | 5 rows | 320 rows |" in md
+    # one cell, recomputed from the record it came from
+    rec = next(r for r in data["results"] if r.get("kernel") == "fa3/bf16" and r.get("heads") == 16
+               and r.get("rows") == 320)
+    assert f"{rec['us']:.1f} ({rec['tflops']:.0f}; {rec['of_floor']:.2f})" in md
+    assert "| triton/fp8 | 5 | 128 | 1.23e-03 |" in md
+    assert "| 5 | 3.25 | 2.50 | 1.30 |" in md and "| 5 | 128 | 20.00 | 17.50 | 2.50 |" in md
+    assert "1 measurement(s) failed" in md
+    # every decode row of the table has a cell per column
+    table_rows = [ln for ln in md.splitlines() if ln.startswith("| triton/") or ln.startswith("| fa3/")]
+    assert table_rows and all(ln.count("|") == 5 for ln in table_rows if "rows" not in ln and "e-0" not in ln)
+
+
+def test_plot_rejects_other_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"tp": "1-8:triton"}))
+    with pytest.raises(ValueError, match="results"):
+        plot.load(p)
+
+
+# ---------------------------------------------------------------- run_h200.sh
+
+
+def test_run_h200_script_shape():
+    script = ROOT / "benchmarks" / "run_h200.sh"
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    outs = set(re.findall(r'\$OUT/([A-Za-z0-9_.]+)', text))
+    outs.discard("")
+    # bench_suite.json comes from the suite's --out; the device tool returns at most 8 files
+    assert outs | {"bench_suite.json"} <= {"summary.txt", "tests.log", "junit.xml", "bench.log", "bench_suite.json",
+                                          "tune.log", "kernel_table.json", "sanitizer.log"}, outs
+    assert "--skip-sanitizer" in text and "fi_site.tar.xz" in text and "FLASHINFER_CUDA_ARCH_LIST=9.0a" in text
