@@ -84,6 +84,9 @@ class Fa3Peer:
         self.heads, self.rows, self.width = int(heads), int(rows), int(width)
         self.sm_scale, self.kv_scale = float(sm_scale), float(kv_scale)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # tensors report cuda:N; a bare "cuda" would never compare equal to them
+            self.device = torch.device("cuda", torch.cuda.current_device())
         dev = self.device
         # Reserved (capture-stable) buffers, as vLLM's _SM90State: plan() refreshes them in place.
         self.kv_indices = torch.zeros(rows * width, dtype=torch.int32, device=dev)

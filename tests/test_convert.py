@@ -111,8 +111,8 @@ class _Launch:
         self.kw = dict(block_size=B, rows_per_block_stride=S, dcp_size=D, dcp_rank=r, interleave=I)
         self.tile, self.rows, self.K = tile, rows, K
         self.max_blocks = gen.randint(1, 12)
-        num_reqs = rows + gen.randint(0, 3)
         rows_buf = rows + gen.randint(0, 4)
+        num_reqs = rows_buf + gen.randint(0, 3)  # every buffer row draws a distinct request
         self.table = _block_table(num_reqs, self.max_blocks, S, device, gen, tgen)
         # Every row its own request; a few point outside the table (stale padded rows).
         req = torch.randperm(num_reqs, generator=tgen)[:rows_buf].to(torch.int32)

@@ -33,7 +33,8 @@ class _Inputs:
     def __init__(self, fmt: str, rows: int, seed: int) -> None:
         dev = torch.device("cuda")
         g = torch.Generator(device=dev).manual_seed(seed)
-        self.steps = [make_step(rows, HEADS, WIDTH, fmt, device=dev, empty_rows=1, seed=seed + i) for i in range(LAYERS)]
+        empty = 1 if rows > 1 else 0  # a count-0 row, except where it would be the whole batch
+        self.steps = [make_step(rows, HEADS, WIDTH, fmt, device=dev, empty_rows=empty, seed=seed + i) for i in range(LAYERS)]
         # one block table and metadata for all layers (vLLM shares them); the caches differ per layer
         self.metadata = self.steps[0].metadata
         self.query = [s.query.clone() for s in self.steps]
@@ -44,7 +45,7 @@ class _Inputs:
             q = [(torch.randn(s.query.shape, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for s in self.steps]
             t = torch.roll(self.steps[0].topk, shifts=37 * v, dims=1).clone()
             t[torch.rand(t.shape, device=dev, generator=g) < 0.05 * v] = -1
-            t[0] = -1  # count 0 row in every variant
+            t[:empty] = -1  # the count-0 row stays in every variant
             # a block-rotated cache: other bytes, still valid rows of the format
             c = [torch.roll(s.cache, shifts=v, dims=0).clone() for s in self.steps]
             self.variant_query.append(q)
