@@ -365,7 +365,7 @@ def test_cuda_graph_capture_and_replay():
 # -------------------------------------------------------------------------------------- bad input
 
 
-def _good(device="cpu", K=128, rows=4):
+def _good(device=DEVICE, K=128, rows=4):
     return dict(
         topk=torch.full((rows, K), -1, dtype=torch.int32, device=device),
         req_id_per_token=torch.zeros(rows, dtype=torch.int32, device=device),

@@ -47,7 +47,8 @@ class _Inputs:
             t[torch.rand(t.shape, device=dev, generator=g) < 0.05 * v] = -1
             t[:empty] = -1  # the count-0 row stays in every variant
             # a block-rotated cache: other bytes, still valid rows of the format
-            c = [torch.roll(s.cache, shifts=v, dims=0).clone() for s in self.steps]
+            # roll the bytes: torch.roll has no float8 CUDA kernel
+            c = [torch.roll(s.cache.view(torch.uint8), shifts=v, dims=0).view(s.cache.dtype) for s in self.steps]
             self.variant_query.append(q)
             self.variant_topk.append(t)
             self.variant_cache.append(c)
