@@ -58,7 +58,7 @@ fi
 # (a) GPU-relevant tests (FlashInfer not on the path: the H200 has none installed).
 if [ "$TESTS" = 1 ]; then
   FILES=""
-  for f in test_convert.py test_triton_decode.py test_core.py test_dcp.py test_graphs.py; do
+  for f in test_convert.py test_triton_decode.py test_core.py test_dcp.py test_graphs.py test_bad_input.py; do
     [ -f "tests/$f" ] && FILES="$FILES tests/$f"
   done
   TO=""
@@ -127,7 +127,7 @@ from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_buffers, mak
 dev = torch.device("cuda")
 worst = 0.0
 for fmt in ("fp8", "nvfp4_ds_mla"):
-    for heads in (16, 128):
+    for heads in (16, 32, 128):
         rows, width = 3, 256
         buffers = make_buffers(rows, heads, width, dev)
         core = FlashInferCore(StandInImpl(kv_cache_dtype=fmt), StandInLayer(), heads, buffers, {1: "triton", rows: "triton"},

@@ -58,6 +58,35 @@ class ReferenceKernel:
             lse.copy_(ref_lse)
 
 
+# Hopper's fp8 wgmma adds the (exact) e4m3 products into an accumulator that keeps about 14
+# significant bits (DeepSeek-V3 report, 3.3.2), not fp32's 24. Over the 18 k-steps of 32 that make
+# a 576-long dot, the logit error is at most 18 * 2**-14 of sum_d |q_d k_d| (times the softmax
+# scale). The LSE, a soft maximum, inherits that bound; a logit error e moves each p by a factor
+# exp(+-e), so an output bound gains 2e * max|v|.
+WGMMA_REL = 18 * 2.0**-14
+
+
+def fp8_wgmma(config, fmt: str) -> bool:
+    """Whether a triton-kernel config runs Q.K on Hopper's fp8 wgmma (on a GPU; the interpreter sums in fp32)."""
+    return (
+        torch.cuda.is_available() and fmt == "fp8" and not config.qk_f16 and (config.block_h >= 64 or config.swap)
+    )
+
+
+def wgmma_logit_bound(query, kv_rows, slots, counts, fmt: str, softmax_scale: float) -> torch.Tensor:
+    """(rows,) bound of the fp8-wgmma logit error: WGMMA_REL * scale * max_j sum_d |q_d k_jd|, per row."""
+    from vllm_kimi_dsa.formats import dequantize_rows
+
+    bound = torch.zeros(slots.shape[0], device=query.device)
+    for i in range(slots.shape[0]):
+        c = int(counts[i])
+        ids = slots[i, :c][slots[i, :c] >= 0].long()
+        if ids.numel():
+            k_abs = dequantize_rows(kv_rows[ids], fmt).abs()
+            bound[i] = (query[i].float().abs() @ k_abs.T).max() * abs(softmax_scale) * WGMMA_REL
+    return bound
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Make every kernel name build a ReferenceKernel (the core's logic runs for real around it)."""

@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import fp8_wgmma, wgmma_logit_bound
 
 from vllm_kimi_dsa.convert import convert_topk_reference
 from vllm_kimi_dsa.core import FlashInferCore
@@ -118,4 +119,9 @@ def test_end_to_end_with_the_triton_kernel(fmt):
     assert rel < 2e-2, rel  # bf16 output and bf16/fp8 MMA operands: well under 1e-2 expected
     assert torch.isneginf(lse[0]).all()
     finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-2, rtol=0)
+    # 2e-2 covers fp32 summation order; fp8 wgmma Q.K adds conftest's bound (random-byte caches: |logits| ~ 100s)
+    config = core._kernel_by_rows[rows].config
+    slack = wgmma_logit_bound(step.query, kv_rows, slots, counts, fmt, core.softmax_scale) if fp8_wgmma(config, fmt) \
+        else torch.zeros(rows, device=lse.device)
+    err = (lse - ref_lse).abs()
+    assert bool((err[finite] <= (2e-2 + slack.view(-1, 1).expand_as(err))[finite]).all()), err[finite].max()

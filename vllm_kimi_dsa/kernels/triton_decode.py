@@ -5,7 +5,6 @@ Split-KV main kernel (FP8 tensor-core Q.K, fp16 P.V) plus an LSE-weighted combin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,17 +31,30 @@ class Config:
     num_warps: int
     num_stages: int
     ctas_per_sm: int  # occupancy assumed by the split heuristic
+    qk_f16: bool = False  # fp8 cache: Q.K on fp16 tensor cores (fp32-exact sums) rather than fp8
+    imprecise: int = 32  # fp8 Q.K: promote the wgmma accumulator every this many products (0: never)
+    prefetch: bool = False  # gather the next tile into registers while this one computes
+    lazy: bool = False  # rescale the accumulator only when the running max grows by > 2**8
+    swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
-    """A fixed config by (heads, fmt), measured on the H200 (benchmarks/NOTES_triton_decode.md)."""
-    block_h = min(64, max(16, triton.next_power_of_2(heads)))
-    if block_h == 64:
-        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
-    if block_h == 32:
-        return Config(block_h=32, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1)
-    # BLOCK_N 64 spilled (184 regs fp8) and ran at 17% of copy; 32 runs spill-free at ~24%.
-    return Config(block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2)
+    """A fixed config by (heads, fmt), from the H200 sweeps of benchmarks/NOTES_triton_decode.md (rounds 1-3).
+
+    >= 64 heads: 64-head tiles on wgmma (fp8 Q.K without promotion: 10% faster than promoting every 32,
+    within the tests' fp8-wgmma bound). <= 32 heads: fp8 runs the transposed kernel (1.5x the head-major
+    one at 12 heads); nvfp4 the head-major one with register prefetch and lazy rescaling.
+    """
+    fmt = normalize_format(fmt)
+    if heads > 32:
+        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, imprecise=0)
+    if fmt == "fp8":
+        if heads > 16:  # not swept: the transposed kernel's spill-free shape at 32 heads (sass_report.py)
+            return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, imprecise=0, swap=True)
+        return Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, imprecise=0, swap=True)
+    if heads > 16:  # not swept: the spill-free 32-head shape (sass_report.py)
+        return Config(block_h=32, block_n=32, num_warps=8, num_stages=1, ctas_per_sm=1, prefetch=True, lazy=True)
+    return Config(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, prefetch=True, lazy=True)
 
 
 def num_sms(device: torch.device) -> int:
@@ -78,18 +90,19 @@ def _epilogue(
     stride_o_row, stride_o_head, stride_lse_row, H, out_scale,
     BLOCK_H: tl.constexpr, D: tl.constexpr,
 ):
-    offs_d = tl.arange(0, D)
+    """Normalize and store the output and LSE (or, with several splits, the split's partial and base-2 LSE)."""
     has = l_i > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc * inv[:, None]
+    cols = tl.arange(0, D)
     if num_splits == 1:
-        o_ptrs = out_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :]
+        o_ptrs = out_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + cols[None, :]
         tl.store(o_ptrs, (o * out_scale).to(tl.bfloat16), mask=mask_h[:, None])
         tl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * 0.6931471805599453, mask=mask_h)
     else:
         base = (row * num_splits + split) * H
-        p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :]
+        p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + cols[None, :]
         tl.store(p_ptrs, o, mask=mask_h[:, None])
         tl.store(part_lse_ptr + base + offs_h, lse2, mask=mask_h)
 
@@ -106,57 +119,230 @@ def _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_fp8_kernel(
+def _e2m1_to_f16(nib):
+    """4-bit E2M1 codes (int32, bit 3 the sign) -> exact float16 values 0, .5, 1, 1.5, 2, 3, 4, 6.
+
+    Placing the 3 magnitude bits at fp16 bits 9..11 gives value * 2**-14 for every code (code 1 lands
+    on the subnormal 2**-15, the rest on normals), so one multiply by 2**14 restores it exactly.
+    """
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _slots(s_base, n0, end, BLOCK_N: tl.constexpr):
+    """Flat rows of tile [n0, n0 + BLOCK_N) of a split ending at `end` (-1 past it)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(s_base + offs_n, mask=offs_n < end, other=-1)
+
+
+@triton.jit
+def _gather_fp8(kv_ptr, slot, stride_kv):
+    """The rows `slot` (-1: none) of an fp8 cache: latent (BLOCK_N, 512) and RoPE (BLOCK_N, 64) e4m3."""
+    valid = slot >= 0
+    k_base = kv_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_kv
+    k_lat = tl.load(k_base[:, None] + tl.arange(0, 512)[None, :], mask=valid[:, None], other=0.0)
+    k_rope = tl.load(k_base[:, None] + 512 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0)
+    return k_lat, k_rope, valid
+
+
+@triton.jit
+def _gather_nvfp4(kv_ptr, slot, stride_kv):
+    """The rows `slot` of an nvfp4_ds_mla cache, raw: packed (BLOCK_N, 32, 8), scales (BLOCK_N, 32), RoPE bytes.
+
+    Packed byte 8 s + b holds latent 16 s + 2 b (low nibble) and 16 s + 2 b + 1; block s's scale is at byte
+    320 + 8 * (s & 3) + (s >> 2). The (rows, 32 blocks, 8 bytes) shape keeps 8-byte vector loads and makes the
+    scale a broadcast over the last axis: 32 one-byte loads a row instead of one per packed byte.
+    """
+    valid = slot >= 0
+    k_base = kv_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_kv
+    offs_s = tl.arange(0, 32)
+    packed = tl.load(
+        k_base[:, None, None] + (offs_s * 8)[None, :, None] + tl.arange(0, 8)[None, None, :],
+        mask=valid[:, None, None], other=0,
+    )
+    sc = tl.load(k_base[:, None] + (320 + 8 * (offs_s & 3) + (offs_s >> 2))[None, :], mask=valid[:, None], other=0)
+    rope = tl.load(k_base[:, None] + 256 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0)
+    return packed, sc, rope, valid
+
+
+@triton.jit
+def _dequant_nvfp4(packed, sc, BLOCK_N: tl.constexpr):
+    """Raw nvfp4 latent -> (even dims, odd dims) as (BLOCK_N, 256) float16, exact.
+
+    e2m1 * e4m3 has at most 6 significant bits within 2**-10..2688: exact in fp16.
+    """
+    pk = packed.to(tl.int32)
+    scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None]
+    lo = tl.reshape(_e2m1_to_f16(pk & 15) * scale, [BLOCK_N, 256])
+    hi = tl.reshape(_e2m1_to_f16(pk >> 4) * scale, [BLOCK_N, 256])
+    return lo, hi
+
+
+@triton.jit
+def _qk_fp8(q, k, acc, IMPRECISE: tl.constexpr):
+    if IMPRECISE > 0:
+        return tl.dot(q, tl.trans(k), acc, max_num_imprecise_acc=IMPRECISE)
+    else:
+        return tl.dot(q, tl.trans(k), acc)
+
+
+@triton.jit
+def _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY: tl.constexpr):
+    """Online-softmax update for one tile of logits: (P as fp16, m, l, acc, acc2 rescaled).
+
+    LAZY keeps a stale running max until a row's max grows by more than 2**8 (P <= 256 stays exact
+    enough in fp16 and finite everywhere), so the (BLOCK_H, 512) accumulator is rescaled on a few
+    tiles only instead of every tile; the result is the same up to rounding.
+    """
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_tile = tl.max(s, 1)
+    if LAZY:
+        grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0)
+        if grow > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            acc = acc * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        m_i = m_new
+    # P rounds to fp16 (2**-11 relative); V (e4m3 or e2m1 * e4m3) is exact in fp16. fp16, not bf16: one
+    # tensor-core rate, and Triton's interpreter mis-multiplies bf16 dots.
+    return p.to(tl.float16), m_i, l_i, acc, acc2
+
+
+@triton.jit
+def _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY: tl.constexpr):
+    """_softmax for transposed logits s (BLOCK_N, BLOCK_H) and accumulators (D, BLOCK_H): P^T as fp16."""
+    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+    m_tile = tl.max(s, 0)
+    if LAZY:
+        grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0)
+        if grow > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            acc = acc * alpha[None, :]
+            acc2 = acc2 * alpha[None, :]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+        l_i = l_i + tl.sum(p, 0)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :]
+        acc2 = acc2 * alpha[None, :]
+        m_i = m_new
+    return p.to(tl.float16), m_i, l_i, acc, acc2
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr, kv_ptr, slots_ptr, counts_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     H, K, num_splits,
     stride_q_row, stride_q_head, stride_kv, stride_s_row,
     stride_o_row, stride_o_head, stride_lse_row,
     qk_scale, out_scale,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NVFP4: tl.constexpr,  # False: 576 e4m3 bytes a row; True: 352-byte nvfp4_ds_mla rows
+    BLOCK_H: tl.constexpr,  # heads a program (the MMA M dim; padded heads are masked)
+    BLOCK_N: tl.constexpr,  # KV rows a tile
+    QK_F16: tl.constexpr,  # fp8 cache: Q.K on fp16 tensor cores (fp32-exact) instead of fp8
+    IMPRECISE: tl.constexpr,  # fp8 Q.K: promote the accumulator every IMPRECISE products (0: never)
+    PREFETCH: tl.constexpr,  # gather tile i + 1 into registers while tile i computes (slots 2 ahead)
+    LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
 ):
+    """One (head block, KV split, row): online softmax over the split's tiles of gathered rows."""
     hb = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
     D: tl.constexpr = 512
-    R: tl.constexpr = 64
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_d = tl.arange(0, D)
-    offs_r = tl.arange(0, R)
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
-    q_lat = tl.load(q_base + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-    q_rope = tl.load(q_base + D + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-
+    q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
     start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
-
+    s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    s_base = slots_ptr + row.to(tl.int64) * stride_s_row
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(s_base + offs_n, mask=offs_n < end, other=-1)
-        valid = slot >= 0
-        k_base = kv_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_kv
-        k_lat = tl.load(k_base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        k_rope = tl.load(k_base[:, None] + D + offs_r[None, :], mask=valid[:, None], other=0.0)
-        # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma accumulates with ~14 bits unless
-        # promoted to fp32 every 32 (measured 1e-3 relative LSE error without it).
-        s = tl.dot(q_rope, tl.trans(k_rope), max_num_imprecise_acc=32)
-        s = tl.dot(q_lat, tl.trans(k_lat), s, max_num_imprecise_acc=32)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # V = the latent part, e4m3 -> fp16 exact; P rounds to fp16 (2**-11 relative; fp16 and
-        # bf16 run at one tensor-core rate, and Triton's interpreter mis-multiplies bf16 dots).
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(tl.float16), k_lat.to(tl.float16), acc)
-        m_i = m_new
+
+    if NVFP4:
+        # the latent dot runs on even and odd dims apart, so the packed bytes need no interleave
+        offs_c = tl.arange(0, 256)
+        q_lo = tl.load(q_base + 2 * offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float16)
+        q_hi = tl.load(q_base + 2 * offs_c[None, :] + 1, mask=mask_h[:, None], other=0.0).to(tl.float16)
+        q_rope = q_rope.to(tl.float16)
+        acc = tl.zeros([BLOCK_H, 256], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, 256], tl.float32)
+        slot_n = _slots(s_base, start, end, BLOCK_N)
+        if PREFETCH:
+            packed, sc, rope, valid = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
+            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
+                packed_n, sc_n, rope_n, valid_n = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
+            else:
+                packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
+            lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N)
+            k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s = tl.dot(q_rope, tl.trans(k_rope))
+            s = tl.dot(q_lo, tl.trans(lo), s)
+            s = tl.dot(q_hi, tl.trans(hi), s)
+            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
+            acc = tl.dot(pb, lo, acc)
+            acc2 = tl.dot(pb, hi, acc2)
+            if PREFETCH:
+                packed, sc, rope, valid = packed_n, sc_n, rope_n, valid_n
+                slot_n = slot_nn
+        acc = tl.reshape(tl.join(acc, acc2), [BLOCK_H, D])  # (even, odd) pairs -> latent order
+    else:
+        q_lat = tl.load(q_base + tl.arange(0, D)[None, :], mask=mask_h[:, None], other=0.0)
+        if QK_F16:
+            q_lat = q_lat.to(tl.float16)
+            q_rope = q_rope.to(tl.float16)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, 1], tl.float32)  # a placeholder: _softmax rescales two accumulators
+        slot_n = _slots(s_base, start, end, BLOCK_N)
+        if PREFETCH:
+            k_lat, k_rope, valid = _gather_fp8(kv_ptr, slot_n, stride_kv)
+            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
+                k_lat_n, k_rope_n, valid_n = _gather_fp8(kv_ptr, slot_n, stride_kv)
+            else:
+                k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
+            if QK_F16:
+                v = k_lat.to(tl.float16)
+                s = tl.dot(q_rope, tl.trans(k_rope.to(tl.float16)))
+                s = tl.dot(q_lat, tl.trans(v), s)
+            else:
+                # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma sums them with fewer bits than fp32
+                # unless promoted every IMPRECISE products (mma.sync, at BLOCK_H 16, sums in fp32).
+                s = _qk_fp8(q_rope, k_rope, tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IMPRECISE)
+                s = _qk_fp8(q_lat, k_lat, s, IMPRECISE)
+                v = k_lat.to(tl.float16)
+            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
+            acc = tl.dot(pb, v, acc)
+            if PREFETCH:
+                k_lat, k_rope, valid = k_lat_n, k_rope_n, valid_n
+                slot_n = slot_nn
 
     _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -164,82 +350,96 @@ def _decode_fp8_kernel(
 
 
 @triton.jit
-def _e2m1(nib):
-    """4-bit E2M1 codes (int32) -> float32 values: 0, .5, 1, 1.5, 2, 3, 4, 6 with bit 3 the sign."""
-    code = nib & 7
-    # code >= 2: exponent (code >> 1) and one mantissa bit placed into fp32 bits, biased to 2**(e-1).
-    bits = ((code << 22) + (126 << 23)).to(tl.uint32)
-    big = bits.to(tl.float32, bitcast=True)
-    mag = tl.where(code < 2, code.to(tl.float32) * 0.5, big)
-    return tl.where((nib & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _decode_nvfp4_kernel(
+def _decode_kernel_t(
     q_ptr, kv_ptr, slots_ptr, counts_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     H, K, num_splits,
     stride_q_row, stride_q_head, stride_kv, stride_s_row,
     stride_o_row, stride_o_head, stride_lse_row,
     qk_scale, out_scale,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NVFP4: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_F16: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr, LAZY: tl.constexpr,
 ):
+    """_decode_kernel with the dots transposed, for few heads: S^T = K Q^T and O^T = V^T P^T.
+
+    The KV tile's rows (BLOCK_N tokens) and the 512 latent dims become the MMA's M, the heads its N (16):
+    Hopper's wgmma needs M = 64 a warpgroup but takes N = 16, where the head-major form pads 12 or 16 heads
+    to an M of 64 or falls back to mma.sync. The softmax reduces over axis 0 (tokens).
+    """
     hb = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
     D: tl.constexpr = 512
-    HALF: tl.constexpr = 256  # packed latent bytes: byte c holds latent 2c (low nibble) and 2c+1
-    R: tl.constexpr = 64
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_c = tl.arange(0, HALF)
-    offs_r = tl.arange(0, R)
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
-    # The latent dot runs on even and odd dims separately so the packed bytes need no interleave.
-    q_lo = tl.load(q_base + 2 * offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float16)
-    q_hi = tl.load(q_base + 2 * offs_c[None, :] + 1, mask=mask_h[:, None], other=0.0).to(tl.float16)
-    q_rope = tl.load(q_base + D + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-
-    blk = offs_c >> 3  # the scale block of packed byte c (16 latent values = 8 bytes)
-    scale_off = 320 + 8 * (blk & 3) + (blk >> 2)
-
+    q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
     start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
-
+    s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
-    acc_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
-    s_base = slots_ptr + row.to(tl.int64) * stride_s_row
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(s_base + offs_n, mask=offs_n < end, other=-1)
-        valid = slot >= 0
-        k_base = kv_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_kv
-        packed = tl.load(k_base[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-        rope = tl.load(k_base[:, None] + HALF + offs_r[None, :], mask=valid[:, None], other=0)
-        sc = tl.load(k_base[:, None] + scale_off[None, :], mask=valid[:, None], other=0)
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        pk = packed.to(tl.int32)
-        # e2m1 * e4m3 has at most 6 significant bits, within 2**-10..2688: exact in fp16.
-        lo = (_e2m1(pk & 15) * scale).to(tl.float16)
-        hi = (_e2m1(pk >> 4) * scale).to(tl.float16)
-        k_rope = rope.to(tl.float8e4nv, bitcast=True)
-        s = tl.dot(q_rope, tl.trans(k_rope), max_num_imprecise_acc=32)
-        s = tl.dot(q_lo, tl.trans(lo), s)
-        s = tl.dot(q_hi, tl.trans(hi), s)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pb = p.to(tl.float16)
-        acc_lo = tl.dot(pb, lo, acc_lo * alpha[:, None])
-        acc_hi = tl.dot(pb, hi, acc_hi * alpha[:, None])
-        m_i = m_new
 
-    acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_H, D])
+    if NVFP4:
+        offs_c = tl.arange(0, 256)
+        q_lo = tl.load(q_base + 2 * offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float16)
+        q_hi = tl.load(q_base + 2 * offs_c[None, :] + 1, mask=mask_h[:, None], other=0.0).to(tl.float16)
+        q_rope = q_rope.to(tl.float16)
+        acc = tl.zeros([256, BLOCK_H], tl.float32)
+        acc2 = tl.zeros([256, BLOCK_H], tl.float32)
+        slot_n = _slots(s_base, start, end, BLOCK_N)
+        if PREFETCH:
+            packed, sc, rope, valid = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
+            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
+                packed_n, sc_n, rope_n, valid_n = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
+            else:
+                packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
+            lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N)
+            k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s = tl.dot(k_rope, tl.trans(q_rope))
+            s = tl.dot(lo, tl.trans(q_lo), s)
+            s = tl.dot(hi, tl.trans(q_hi), s)
+            pb, m_i, l_i, acc, acc2 = _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
+            acc = tl.dot(tl.trans(lo), pb, acc)
+            acc2 = tl.dot(tl.trans(hi), pb, acc2)
+            if PREFETCH:
+                packed, sc, rope, valid = packed_n, sc_n, rope_n, valid_n
+                slot_n = slot_nn
+        acc = tl.reshape(tl.join(tl.trans(acc), tl.trans(acc2)), [BLOCK_H, D])
+    else:
+        q_lat = tl.load(q_base + tl.arange(0, D)[None, :], mask=mask_h[:, None], other=0.0)
+        if QK_F16:
+            q_lat = q_lat.to(tl.float16)
+            q_rope = q_rope.to(tl.float16)
+        acc = tl.zeros([D, BLOCK_H], tl.float32)
+        acc2 = tl.zeros([1, BLOCK_H], tl.float32)  # a placeholder: _softmax_t rescales two accumulators
+        slot_n = _slots(s_base, start, end, BLOCK_N)
+        if PREFETCH:
+            k_lat, k_rope, valid = _gather_fp8(kv_ptr, slot_n, stride_kv)
+            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
+                k_lat_n, k_rope_n, valid_n = _gather_fp8(kv_ptr, slot_n, stride_kv)
+            else:
+                k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
+            v = k_lat.to(tl.float16)
+            if QK_F16:
+                s = tl.dot(k_rope.to(tl.float16), tl.trans(q_rope))
+                s = tl.dot(v, tl.trans(q_lat), s)
+            else:
+                s = _qk_fp8(k_rope, q_rope, tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IMPRECISE)
+                s = _qk_fp8(k_lat, q_lat, s, IMPRECISE)
+            pb, m_i, l_i, acc, acc2 = _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
+            acc = tl.dot(tl.trans(v), pb, acc)
+            if PREFETCH:
+                k_lat, k_rope, valid = k_lat_n, k_rope_n, valid_n
+                slot_n = slot_nn
+        acc = tl.trans(acc)
+
     _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
               stride_o_row, stride_o_head, stride_lse_row, H, out_scale, BLOCK_H, D)
@@ -350,8 +550,8 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
     if splits > 1 and rows * splits * heads > ws.capacity:
         splits = max(1, ws.capacity // (rows * heads))
     lse_t = lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
-    kernel = _decode_fp8_kernel if fmt == "fp8" else _decode_nvfp4_kernel
     grid = (triton.cdiv(heads, cfg.block_h), splits, rows)
+    kernel = _decode_kernel_t if cfg.swap else _decode_kernel
     compiled = kernel[grid](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
@@ -359,7 +559,8 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Sweep the Triton decode's tile configs on one GPU: accuracy against the float32 reference and CUDA-graph time.
+
+Every config of CANDIDATES runs on the same data in one process (so the ratios are fair), K = 2048, inputs rotated
+past the L2. The occupancy each compiled kernel gets (registers, shared memory) is printed beside its time.
+
+    PYTHONPATH=. python3 benchmarks/sweep_configs.py --out DIR [--only fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
+from vllm_kimi_dsa.kernels.triton_decode import Config, choose_splits, make_workspace, sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+
+K = 2048
+CACHE_ROWS = 1 << 20
+L2 = 60e6
+SCALE = 1.0 / math.sqrt(192.0)
+
+
+def C(bh, bn, w, st, f16=False, imp=0, pf=False, lazy=False, swap=False, cps=1):
+    return Config(block_h=bh, block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps, qk_f16=f16, imprecise=imp,
+                  prefetch=pf, lazy=lazy, swap=swap)
+
+
+# Round 3 (rounds 1-2: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt). Few heads, the
+# transposed kernel (swap: tokens and dims as the wgmma's M, heads as its N) against round 2's best, first.
+SMALL = [C(16, 32, 4, 3, f16=True), C(16, 64, 4, 2, swap=True), C(16, 64, 8, 2, swap=True), C(16, 128, 8, 2, swap=True),
+         C(16, 128, 8, 3, swap=True), C(16, 64, 4, 3, swap=True), C(16, 64, 8, 2, lazy=True, swap=True)]
+NV_SMALL = [C(16, 32, 4, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True, swap=True),
+            C(16, 64, 8, 1, swap=True), C(16, 32, 4, 1, pf=True, swap=True)]
+CANDIDATES = {("fp8", 12): SMALL, ("fp8", 16): SMALL[:3], ("nvfp4_ds_mla", 12): NV_SMALL}
+ROWS = {128: (5, 20, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
+
+
+def graph_us(fns, reps=20):
+    fns[0]()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+    del g
+    return statistics.median(ts)
+
+
+def ceilings(dev):
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    t = graph_us([lambda: y.copy_(x)])
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    tm = graph_us([lambda: a @ a], reps=5)
+    return {"copy_GBps": 2 * x.numel() / t / 1e3, "bf16_TFLOPs": 2 * 8192**3 / tm / 1e6}
+
+
+def profile(fmt, heads, ci, rows):
+    """Compile, then run one config once at `rows` x K (ncu -k regex:_decode_kernel -s 1 -c 1 profiles the 2nd)."""
+    heads, ci, rows = int(heads), int(ci), int(rows)
+    dev = torch.device("cuda")
+    cfg = CANDIDATES[(fmt, heads)][ci]
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv = quantize_rows(torch.randn(1 << 19, 576, device=dev, generator=g) * (8 if fmt == "fp8" else 1), fmt)
+    q = (torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
+    sl = torch.randint(0, 1 << 19, (rows, K), device=dev, generator=g, dtype=torch.int32)
+    cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+    out = torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev)
+    for _ in range(2):
+        sparse_mla_decode(q, kv, sl, cs, fmt=fmt, softmax_scale=0.01, output_scale=1.0, out=out, config=cfg, splits=1)
+    torch.cuda.synchronize()
+    print(f"profiled {fmt} H{heads} {cfg} rows {rows}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--only", default="")
+    p.add_argument("--profile", default="", help="fmt,heads,config index,rows: one launch only (for ncu)")
+    a = p.parse_args()
+    if a.profile:
+        return profile(*a.profile.split(","))
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ceil = ceilings(dev)
+    print(f"{torch.cuda.get_device_name()} sms={sms} copy {ceil['copy_GBps']:.0f} GB/s, bf16 mm {ceil['bf16_TFLOPs']:.0f} TF/s", flush=True)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(CACHE_ROWS, 576, device=dev, generator=g)
+    caches = {"fp8": quantize_rows(x * 8, "fp8"), "nvfp4_ds_mla": quantize_rows(x, "nvfp4_ds_mla")}
+    del x
+    results = []
+    for (fmt, heads), cfgs in CANDIDATES.items():
+        if a.only and a.only not in fmt:
+            continue
+        kv = caches[fmt]
+        oscale = 0.125 if fmt == "fp8" else 1.0
+        sscale = SCALE * 0.25 * (0.125 if fmt == "fp8" else 1.0)
+        # accuracy case: 5 rows, one count 0, holes
+        q5 = (torch.randn(5, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
+        s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
+        s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
+        c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
+        ref, ref_lse = reference_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=sscale, output_scale=oscale)
+        for ci, cfg in enumerate(cfgs):
+            name = f"{fmt}/H{heads}/c{ci}"
+            out = torch.full((5, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
+            lse = torch.full((5, heads), float("nan"), device=dev)
+            t0 = time.time()
+            try:
+                h = sparse_mla_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=sscale, output_scale=oscale, out=out, lse=lse, config=cfg)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} {cfg} FAILED {str(e)[:200]}", flush=True)
+                continue
+            comp = time.time() - t0
+            fin = torch.isfinite(ref_lse)
+            rel = float((out.float() - ref).norm() / ref.norm())
+            lse_err = float((lse[fin] - ref_lse[fin]).abs().max())
+            ok = bool(torch.isfinite(out).all()) and bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
+            regs, smem = getattr(h, "n_regs", -1), getattr(h, "metadata", None)
+            smem = getattr(smem, "shared", -1) if smem is not None else -1
+            spills = getattr(h, "n_spills", -1)
+            threads = cfg.num_warps * 32
+            occ = min(65536 // max(1, regs * threads), (232448 - 1024) // max(1, smem + 1024)) if regs > 0 else -1
+            rec = dict(fmt=fmt, heads=heads, config=cfg.__dict__, rel_l2=rel, lse_err=lse_err, ok=ok, regs=regs,
+                       spills=spills, smem=smem, ctas_per_sm=occ, compile_s=comp, times={})
+            line = f"{name:22s} bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} f16={int(cfg.qk_f16)} " \
+                   f"imp{cfg.imprecise} pf{int(cfg.prefetch)} lz{int(cfg.lazy)} sw{int(cfg.swap)}: " \
+                   f"regs {regs} spill {spills} smem {smem // 1024}K occ {occ} | rel {rel:.1e} lse {lse_err:.1e} {'ok' if ok else 'BAD'} |"
+            cfg_occ = Config(**{**cfg.__dict__, "ctas_per_sm": max(1, occ)})
+            for rows in ROWS[heads]:
+                per_call = rows * K * row_bytes(fmt)
+                sets = max(1, min(24, math.ceil(3 * L2 / per_call)))
+                qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+                ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
+                cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+                outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+                lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
+                splits = choose_splits(rows, heads, K, cfg_occ, sms)
+                ws = make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt=fmt, config=cfg_occ)
+                fns = [(lambda i=i: sparse_mla_decode(qs[i], kv, ss[i], cs, fmt=fmt, softmax_scale=sscale, output_scale=oscale,
+                                                      out=outs[i], lse=lses[i], workspace=ws, config=cfg_occ, splits=splits))
+                       for i in range(sets)]
+                us = graph_us(fns)
+                flops = 2 * rows * heads * K * 1088
+                rec["times"][rows] = dict(us=us, splits=splits, tflops=flops / us / 1e6, GBps=per_call / us / 1e3)
+                line += f" {rows}:{us:.1f}us/{splits}s"
+            print(line, flush=True)
+            results.append(rec)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "sweep.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), ceilings=ceil,
+                                                            torch=torch.__version__, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
