@@ -74,31 +74,52 @@ def summarize(kernel) -> dict[str, object]:
     }
 
 
-def main() -> None:
+SIGNATURE = dict(
+    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+    part_out_ptr="*fp32", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32",
+    stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
+    stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
+)
+
+
+def compile_config(fmt: str, cfg):
+    """The decode kernel a `triton_decode.Config` launches, compiled for SM90."""
     from vllm_kimi_dsa.kernels import triton_decode as td
 
+    sig = dict(SIGNATURE, kv_ptr="*u8" if fmt != "fp8" else "*fp8e4nv")
+    consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, QK_F16=cfg.qk_f16,
+                  IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy)
+    fn = td._decode_kernel_t if cfg.swap else td._decode_kernel
+    return compile_kernel(fn, sig, consts, cfg.num_warps, cfg.num_stages)
+
+
+def main() -> None:
+    from vllm_kimi_dsa.kernels.triton_decode import default_config
+
     p = argparse.ArgumentParser()
-    p.add_argument("--sass-dir", default=None)
-    p.add_argument("--filter", default="")
+    p.add_argument("--sass-dir", default=None, help="also write each kernel's SASS and PTX here")
+    p.add_argument("--filter", default="", help="only cases whose name contains this")
     a = p.parse_args()
-    cases = td.compile_cases()
-    print(f"triton {triton.__version__}, target sm_90")
-    print(f"{'case':44s} {'regs':>4s} {'stack':>5s} {'smem':>6s}  ops")
-    for name, (fn, sig, consts, warps, stages) in cases.items():
-        if a.filter not in name:
-            continue
-        try:
-            k = compile_kernel(fn, sig, consts, warps, stages)
-        except Exception as e:  # noqa: BLE001 - report and go on
-            print(f"{name:44s} COMPILE FAILED: {str(e).splitlines()[0][:150]}")
-            continue
-        s = summarize(k)
-        ops = " ".join(f"{o}={n}" for o, n in s["ops"].items() if n)
-        print(f"{name:44s} {s['regs']!s:>4s} {s['stack']!s:>5s} {s['shared']:>6d}  {ops}")
-        if a.sass_dir:
-            Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
-            (Path(a.sass_dir) / f"{name}.sass").write_text(s["sass"])
-            (Path(a.sass_dir) / f"{name}.ptx").write_text(k.asm["ptx"])
+    print(f"triton {triton.__version__}, target sm_90 (the default config of each format and head count)")
+    print(f"{'case':24s} {'regs':>4s} {'stack':>5s} {'smem':>6s}  ops")
+    for fmt in ("fp8", "nvfp4_ds_mla"):
+        for heads in (128, 32, 16):
+            name = f"{fmt}-H{heads}"
+            if a.filter not in name:
+                continue
+            cfg = default_config(heads, fmt)
+            try:
+                k = compile_config(fmt, cfg)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name:24s} COMPILE FAILED: {str(e).splitlines()[0][:150]}")
+                continue
+            s = summarize(k)
+            ops = " ".join(f"{o}={n}" for o, n in s["ops"].items() if n)
+            print(f"{name:24s} {s['regs']!s:>4s} {s['stack']!s:>5s} {s['shared']:>6d}  {ops}")
+            if a.sass_dir:
+                Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
+                (Path(a.sass_dir) / f"{name}.sass").write_text(s["sass"])
+                (Path(a.sass_dir) / f"{name}.ptx").write_text(k.asm["ptx"])
 
 
 if __name__ == "__main__":

@@ -37,14 +37,13 @@ def C(bh, bn, w, st, f16=False, imp=0, pf=False, lazy=False, swap=False, cps=1):
                   prefetch=pf, lazy=lazy, swap=swap)
 
 
-# Round 3 (rounds 1-2: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt). Few heads, the
-# transposed kernel (swap: tokens and dims as the wgmma's M, heads as its N) against round 2's best, first.
-SMALL = [C(16, 32, 4, 3, f16=True), C(16, 64, 4, 2, swap=True), C(16, 64, 8, 2, swap=True), C(16, 128, 8, 2, swap=True),
-         C(16, 128, 8, 3, swap=True), C(16, 64, 4, 3, swap=True), C(16, 64, 8, 2, lazy=True, swap=True)]
-NV_SMALL = [C(16, 32, 4, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True, swap=True),
-            C(16, 64, 8, 1, swap=True), C(16, 32, 4, 1, pf=True, swap=True)]
-CANDIDATES = {("fp8", 12): SMALL, ("fp8", 16): SMALL[:3], ("nvfp4_ds_mla", 12): NV_SMALL}
-ROWS = {128: (5, 20, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
+# Round 4 (rounds 1-3: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt): 32 and 96 heads, which
+# the defaults cover with unswept shapes; the current default first.
+FP8_32 = [C(32, 64, 8, 3, swap=True), C(16, 64, 4, 3, swap=True, cps=2), C(64, 64, 8, 2)]
+NV_32 = [C(32, 32, 8, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True, cps=2)]
+FP8_96 = [C(64, 64, 8, 2), C(32, 64, 8, 3, swap=True), C(16, 64, 4, 3, swap=True, cps=2)]
+CANDIDATES = {("fp8", 32): FP8_32, ("nvfp4_ds_mla", 32): NV_32, ("fp8", 96): FP8_96}
+ROWS = {128: (5, 20, 80, 320), 96: (5, 80, 320), 32: (5, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
 
 
 def graph_us(fns, reps=20):
