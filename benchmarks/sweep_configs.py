@@ -98,7 +98,13 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--only", default="")
     p.add_argument("--profile", default="", help="fmt,heads,config index,rows: one launch only (for ncu)")
+    p.add_argument("--defaults", action="store_true", help="time default_config at 128 and 12 heads instead")
     a = p.parse_args()
+    if a.defaults:
+        from vllm_kimi_dsa.kernels.triton_decode import default_config
+
+        CANDIDATES.clear()
+        CANDIDATES.update({(f, h): [default_config(h, f)] for f in ("fp8", "nvfp4_ds_mla") for h in (128, 12)})
     if a.profile:
         return profile(*a.profile.split(","))
     dev = torch.device("cuda")

@@ -51,10 +51,10 @@ def default_config(heads: int, fmt: CacheFormat) -> Config:
     if heads > 32:
         return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, imprecise=0)
     if fmt == "fp8":
-        if heads > 16:  # not swept: the transposed kernel's spill-free shape at 32 heads (sass_report.py)
+        if heads > 16:  # round 4: 360 µs at 320 rows, vs 364 for 16-head blocks x 2 and 375 for a 64-head tile
             return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, imprecise=0, swap=True)
         return Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, imprecise=0, swap=True)
-    if heads > 16:  # not swept: the spill-free 32-head shape (sass_report.py)
+    if heads > 16:  # round 4: 1052 µs at 320 rows; 16-head blocks x 2 gave 961 but have not run the GPU tests
         return Config(block_h=32, block_n=32, num_warps=8, num_stages=1, ctas_per_sm=1, prefetch=True, lazy=True)
     return Config(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, prefetch=True, lazy=True)
 
@@ -182,42 +182,80 @@ def _dequant_nvfp4(packed, sc, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _qk_fp8(q, k, acc, IMPRECISE: tl.constexpr):
-    if IMPRECISE > 0:
-        return tl.dot(q, tl.trans(k), acc, max_num_imprecise_acc=IMPRECISE)
+def _qk(q, k, acc, SWAP: tl.constexpr, IMPRECISE: tl.constexpr):
+    """acc + q k^T (BLOCK_H, BLOCK_N), or with SWAP its transpose k q^T (BLOCK_N, BLOCK_H).
+
+    IMPRECISE (fp8 operands): promote Hopper's wgmma accumulator every IMPRECISE products (0: never).
+    """
+    if SWAP:
+        a = k
+        b = tl.trans(q)
     else:
-        return tl.dot(q, tl.trans(k), acc)
+        a = q
+        b = tl.trans(k)
+    if IMPRECISE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY: tl.constexpr):
+def _pv(p, v, acc, SWAP: tl.constexpr):
+    """acc + p v (BLOCK_H, D), or with SWAP (p being P^T) its transpose v^T p (D, BLOCK_H)."""
+    if SWAP:
+        return tl.dot(tl.trans(v), p, acc)
+    else:
+        return tl.dot(p, v, acc)
+
+
+@triton.jit
+def _per_head(x, SWAP: tl.constexpr):
+    """A (BLOCK_H,) vector broadcast along the tokens / dims axis of the (transposed) tiles."""
+    if SWAP:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_token(x, SWAP: tl.constexpr):
+    """A (BLOCK_N,) vector broadcast along the heads axis of the (transposed) logits."""
+    if SWAP:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, SWAP: tl.constexpr, LAZY: tl.constexpr):
     """Online-softmax update for one tile of logits: (P as fp16, m, l, acc, acc2 rescaled).
 
-    LAZY keeps a stale running max until a row's max grows by more than 2**8 (P <= 256 stays exact
-    enough in fp16 and finite everywhere), so the (BLOCK_H, 512) accumulator is rescaled on a few
-    tiles only instead of every tile; the result is the same up to rounding.
+    s is (BLOCK_H, BLOCK_N), or (BLOCK_N, BLOCK_H) with SWAP; the accumulators likewise. LAZY keeps a stale
+    running max until a row's max grows by more than 2**8 (P <= 256 stays exact enough in fp16 and finite),
+    so the (BLOCK_H, 512) accumulator is rescaled on a few tiles only; the result is the same up to rounding.
     """
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_tile = tl.max(s, 1)
+    AXIS: tl.constexpr = 0 if SWAP else 1
+    s = tl.where(_per_token(valid, SWAP), s * qk_scale, float("-inf"))
+    m_tile = tl.max(s, AXIS)
     if LAZY:
         grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0)
         if grow > 0:
             m_new = tl.maximum(m_i, m_tile)
             alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            acc = acc * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
+            acc = acc * _per_head(alpha, SWAP)
+            acc2 = acc2 * _per_head(alpha, SWAP)
             l_i = l_i * alpha
             m_i = m_new
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = l_i + tl.sum(p, 1)
+        p = tl.exp2(s - _per_head(tl.where(m_i == float("-inf"), 0.0, m_i), SWAP))
+        l_i = l_i + tl.sum(p, AXIS)
     else:
         m_new = tl.maximum(m_i, m_tile)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
+        p = tl.exp2(s - _per_head(m_use, SWAP))
+        l_i = l_i * alpha + tl.sum(p, AXIS)
+        acc = acc * _per_head(alpha, SWAP)
+        acc2 = acc2 * _per_head(alpha, SWAP)
         m_i = m_new
     # P rounds to fp16 (2**-11 relative); V (e4m3 or e2m1 * e4m3) is exact in fp16. fp16, not bf16: one
     # tensor-core rate, and Triton's interpreter mis-multiplies bf16 dots.
@@ -225,31 +263,19 @@ def _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY: tl.constexpr):
 
 
 @triton.jit
-def _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY: tl.constexpr):
-    """_softmax for transposed logits s (BLOCK_N, BLOCK_H) and accumulators (D, BLOCK_H): P^T as fp16."""
-    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
-    m_tile = tl.max(s, 0)
-    if LAZY:
-        grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0)
-        if grow > 0:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            acc = acc * alpha[None, :]
-            acc2 = acc2 * alpha[None, :]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        l_i = l_i + tl.sum(p, 0)
+def _acc_zeros(COLS: tl.constexpr, BLOCK_H: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.zeros([COLS, BLOCK_H], tl.float32)
     else:
-        m_new = tl.maximum(m_i, m_tile)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :]
-        acc2 = acc2 * alpha[None, :]
-        m_i = m_new
-    return p.to(tl.float16), m_i, l_i, acc, acc2
+        return tl.zeros([BLOCK_H, COLS], tl.float32)
+
+
+@triton.jit
+def _head_major(acc, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -261,14 +287,20 @@ def _decode_kernel(
     stride_o_row, stride_o_head, stride_lse_row,
     qk_scale, out_scale,
     NVFP4: tl.constexpr,  # False: 576 e4m3 bytes a row; True: 352-byte nvfp4_ds_mla rows
-    BLOCK_H: tl.constexpr,  # heads a program (the MMA M dim; padded heads are masked)
+    BLOCK_H: tl.constexpr,  # heads a program (padded heads are masked)
     BLOCK_N: tl.constexpr,  # KV rows a tile
     QK_F16: tl.constexpr,  # fp8 cache: Q.K on fp16 tensor cores (fp32-exact) instead of fp8
     IMPRECISE: tl.constexpr,  # fp8 Q.K: promote the accumulator every IMPRECISE products (0: never)
     PREFETCH: tl.constexpr,  # gather tile i + 1 into registers while tile i computes (slots 2 ahead)
     LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
+    SWAP: tl.constexpr,  # transposed dots: S^T = K Q^T, O^T = V^T P^T
 ):
-    """One (head block, KV split, row): online softmax over the split's tiles of gathered rows."""
+    """One (head block, KV split, row): online softmax over the split's tiles of gathered rows.
+
+    SWAP puts the tile's tokens and the 512 latent dims on the MMA's M and the heads on its N: Hopper's wgmma
+    needs M = 64 a warpgroup but takes N = 16, where the head-major form pads 12 or 16 heads to an M of 64 or
+    falls back to mma.sync.
+    """
     hb = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -289,8 +321,8 @@ def _decode_kernel(
         q_lo = tl.load(q_base + 2 * offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float16)
         q_hi = tl.load(q_base + 2 * offs_c[None, :] + 1, mask=mask_h[:, None], other=0.0).to(tl.float16)
         q_rope = q_rope.to(tl.float16)
-        acc = tl.zeros([BLOCK_H, 256], tl.float32)
-        acc2 = tl.zeros([BLOCK_H, 256], tl.float32)
+        acc = _acc_zeros(256, BLOCK_H, SWAP)
+        acc2 = _acc_zeros(256, BLOCK_H, SWAP)
         slot_n = _slots(s_base, start, end, BLOCK_N)
         if PREFETCH:
             packed, sc, rope, valid = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
@@ -303,121 +335,24 @@ def _decode_kernel(
                 packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
             lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N)
             k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            s = tl.dot(q_rope, tl.trans(k_rope))
-            s = tl.dot(q_lo, tl.trans(lo), s)
-            s = tl.dot(q_hi, tl.trans(hi), s)
-            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
-            acc = tl.dot(pb, lo, acc)
-            acc2 = tl.dot(pb, hi, acc2)
+            s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, 0)
+            s = _qk(q_lo, lo, s, SWAP, 0)
+            s = _qk(q_hi, hi, s, SWAP, 0)
+            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, SWAP, LAZY)
+            acc = _pv(pb, lo, acc, SWAP)
+            acc2 = _pv(pb, hi, acc2, SWAP)
             if PREFETCH:
                 packed, sc, rope, valid = packed_n, sc_n, rope_n, valid_n
                 slot_n = slot_nn
-        acc = tl.reshape(tl.join(acc, acc2), [BLOCK_H, D])  # (even, odd) pairs -> latent order
+        # (even, odd) pairs -> latent order
+        acc = tl.reshape(tl.join(_head_major(acc, SWAP), _head_major(acc2, SWAP)), [BLOCK_H, D])
     else:
         q_lat = tl.load(q_base + tl.arange(0, D)[None, :], mask=mask_h[:, None], other=0.0)
         if QK_F16:
             q_lat = q_lat.to(tl.float16)
             q_rope = q_rope.to(tl.float16)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        acc2 = tl.zeros([BLOCK_H, 1], tl.float32)  # a placeholder: _softmax rescales two accumulators
-        slot_n = _slots(s_base, start, end, BLOCK_N)
-        if PREFETCH:
-            k_lat, k_rope, valid = _gather_fp8(kv_ptr, slot_n, stride_kv)
-            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:
-                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
-                k_lat_n, k_rope_n, valid_n = _gather_fp8(kv_ptr, slot_n, stride_kv)
-            else:
-                k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
-            if QK_F16:
-                v = k_lat.to(tl.float16)
-                s = tl.dot(q_rope, tl.trans(k_rope.to(tl.float16)))
-                s = tl.dot(q_lat, tl.trans(v), s)
-            else:
-                # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma sums them with fewer bits than fp32
-                # unless promoted every IMPRECISE products (mma.sync, at BLOCK_H 16, sums in fp32).
-                s = _qk_fp8(q_rope, k_rope, tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IMPRECISE)
-                s = _qk_fp8(q_lat, k_lat, s, IMPRECISE)
-                v = k_lat.to(tl.float16)
-            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
-            acc = tl.dot(pb, v, acc)
-            if PREFETCH:
-                k_lat, k_rope, valid = k_lat_n, k_rope_n, valid_n
-                slot_n = slot_nn
-
-    _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
-              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-              stride_o_row, stride_o_head, stride_lse_row, H, out_scale, BLOCK_H, D)
-
-
-@triton.jit
-def _decode_kernel_t(
-    q_ptr, kv_ptr, slots_ptr, counts_ptr,
-    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-    H, K, num_splits,
-    stride_q_row, stride_q_head, stride_kv, stride_s_row,
-    stride_o_row, stride_o_head, stride_lse_row,
-    qk_scale, out_scale,
-    NVFP4: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_F16: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr, LAZY: tl.constexpr,
-):
-    """_decode_kernel with the dots transposed, for few heads: S^T = K Q^T and O^T = V^T P^T.
-
-    The KV tile's rows (BLOCK_N tokens) and the 512 latent dims become the MMA's M, the heads its N (16):
-    Hopper's wgmma needs M = 64 a warpgroup but takes N = 16, where the head-major form pads 12 or 16 heads
-    to an M of 64 or falls back to mma.sync. The softmax reduces over axis 0 (tokens).
-    """
-    hb = tl.program_id(0)
-    split = tl.program_id(1)
-    row = tl.program_id(2)
-    D: tl.constexpr = 512
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
-    q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
-    start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
-    s_base = slots_ptr + row.to(tl.int64) * stride_s_row
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-
-    if NVFP4:
-        offs_c = tl.arange(0, 256)
-        q_lo = tl.load(q_base + 2 * offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float16)
-        q_hi = tl.load(q_base + 2 * offs_c[None, :] + 1, mask=mask_h[:, None], other=0.0).to(tl.float16)
-        q_rope = q_rope.to(tl.float16)
-        acc = tl.zeros([256, BLOCK_H], tl.float32)
-        acc2 = tl.zeros([256, BLOCK_H], tl.float32)
-        slot_n = _slots(s_base, start, end, BLOCK_N)
-        if PREFETCH:
-            packed, sc, rope, valid = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
-            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:
-                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
-                packed_n, sc_n, rope_n, valid_n = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
-            else:
-                packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
-            lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N)
-            k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            s = tl.dot(k_rope, tl.trans(q_rope))
-            s = tl.dot(lo, tl.trans(q_lo), s)
-            s = tl.dot(hi, tl.trans(q_hi), s)
-            pb, m_i, l_i, acc, acc2 = _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
-            acc = tl.dot(tl.trans(lo), pb, acc)
-            acc2 = tl.dot(tl.trans(hi), pb, acc2)
-            if PREFETCH:
-                packed, sc, rope, valid = packed_n, sc_n, rope_n, valid_n
-                slot_n = slot_nn
-        acc = tl.reshape(tl.join(tl.trans(acc), tl.trans(acc2)), [BLOCK_H, D])
-    else:
-        q_lat = tl.load(q_base + tl.arange(0, D)[None, :], mask=mask_h[:, None], other=0.0)
-        if QK_F16:
-            q_lat = q_lat.to(tl.float16)
-            q_rope = q_rope.to(tl.float16)
-        acc = tl.zeros([D, BLOCK_H], tl.float32)
-        acc2 = tl.zeros([1, BLOCK_H], tl.float32)  # a placeholder: _softmax_t rescales two accumulators
+        acc = _acc_zeros(D, BLOCK_H, SWAP)
+        acc2 = _acc_zeros(1, BLOCK_H, SWAP)  # a placeholder: _softmax rescales two accumulators
         slot_n = _slots(s_base, start, end, BLOCK_N)
         if PREFETCH:
             k_lat, k_rope, valid = _gather_fp8(kv_ptr, slot_n, stride_kv)
@@ -430,17 +365,19 @@ def _decode_kernel_t(
                 k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
             v = k_lat.to(tl.float16)
             if QK_F16:
-                s = tl.dot(k_rope.to(tl.float16), tl.trans(q_rope))
-                s = tl.dot(v, tl.trans(q_lat), s)
+                s = _qk(q_rope, k_rope.to(tl.float16), _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, 0)
+                s = _qk(q_lat, v, s, SWAP, 0)
             else:
-                s = _qk_fp8(k_rope, q_rope, tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IMPRECISE)
-                s = _qk_fp8(k_lat, q_lat, s, IMPRECISE)
-            pb, m_i, l_i, acc, acc2 = _softmax_t(s, valid, m_i, l_i, acc, acc2, qk_scale, LAZY)
-            acc = tl.dot(tl.trans(v), pb, acc)
+                # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma sums them with fewer bits than fp32
+                # unless promoted every IMPRECISE products (mma.sync, at BLOCK_H 16, sums in fp32).
+                s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, IMPRECISE)
+                s = _qk(q_lat, k_lat, s, SWAP, IMPRECISE)
+            pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, SWAP, LAZY)
+            acc = _pv(pb, v, acc, SWAP)
             if PREFETCH:
                 k_lat, k_rope, valid = k_lat_n, k_rope_n, valid_n
                 slot_n = slot_nn
-        acc = tl.trans(acc)
+        acc = _head_major(acc, SWAP)
 
     _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -553,8 +490,7 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
         splits = max(1, ws.capacity // (rows * heads))
     lse_t = lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
     grid = (triton.cdiv(heads, cfg.block_h), splits, rows)
-    kernel = _decode_kernel_t if cfg.swap else _decode_kernel
-    compiled = kernel[grid](
+    compiled = _decode_kernel[grid](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
         heads, width, splits,
@@ -562,7 +498,7 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
         NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy,
+        QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
