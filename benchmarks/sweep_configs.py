@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,14 +20,17 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels.triton_decode import Config, choose_splits, make_workspace, sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+
+from bench_suite import ceilings  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20
-L2 = 60e6
 SCALE = 1.0 / math.sqrt(192.0)
 
 
@@ -44,36 +46,6 @@ NV_32 = [C(32, 32, 8, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True
 FP8_96 = [C(64, 64, 8, 2), C(32, 64, 8, 3, swap=True), C(16, 64, 4, 3, swap=True, cps=2)]
 CANDIDATES = {("fp8", 32): FP8_32, ("nvfp4_ds_mla", 32): NV_32, ("fp8", 96): FP8_96}
 ROWS = {128: (5, 20, 80, 320), 96: (5, 80, 320), 32: (5, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
-
-
-def graph_us(fns, reps=20):
-    fns[0]()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(ts)
-
-
-def ceilings(dev):
-    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    t = graph_us([lambda: y.copy_(x)])
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    tm = graph_us([lambda: a @ a], reps=5)
-    return {"copy_GBps": 2 * x.numel() / t / 1e3, "bf16_TFLOPs": 2 * 8192**3 / tm / 1e6}
 
 
 def profile(fmt, heads, ci, rows):
@@ -109,7 +81,7 @@ def main():
         return profile(*a.profile.split(","))
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    ceil = ceilings(dev)
+    ceil = ceilings(dev, quick=True)
     print(f"{torch.cuda.get_device_name()} sms={sms} copy {ceil['copy_GBps']:.0f} GB/s, bf16 mm {ceil['bf16_TFLOPs']:.0f} TF/s", flush=True)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(CACHE_ROWS, 576, device=dev, generator=g)
@@ -157,7 +129,7 @@ def main():
             cfg_occ = Config(**{**cfg.__dict__, "ctas_per_sm": max(1, occ)})
             for rows in ROWS[heads]:
                 per_call = rows * K * row_bytes(fmt)
-                sets = max(1, min(24, math.ceil(3 * L2 / per_call)))
+                sets = rotation_sets(per_call, lo=1, hi=24)
                 qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
                 ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
                 cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
@@ -168,7 +140,7 @@ def main():
                 fns = [(lambda i=i: sparse_mla_decode(qs[i], kv, ss[i], cs, fmt=fmt, softmax_scale=sscale, output_scale=oscale,
                                                       out=outs[i], lse=lses[i], workspace=ws, config=cfg_occ, splits=splits))
                        for i in range(sets)]
-                us = graph_us(fns)
+                us = cuda_graph_time_us(fns)
                 flops = 2 * rows * heads * K * 1088
                 rec["times"][rows] = dict(us=us, splits=splits, tflops=flops / us / 1e6, GBps=per_call / us / 1e3)
                 line += f" {rows}:{us:.1f}us/{splits}s"

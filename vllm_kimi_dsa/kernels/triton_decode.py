@@ -41,9 +41,9 @@ class Config:
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
-    """A fixed config by (heads, fmt), from the H200 sweeps of benchmarks/NOTES_triton_decode.md (rounds 1-3).
+    """A fixed config by (heads, fmt), from the H200 sweeps of benchmarks/NOTES_triton_decode.md (rounds 1-4).
 
-    >= 64 heads: 64-head tiles on wgmma (fp8 Q.K without promotion: 10% faster than promoting every 32,
+    >= 64 heads: 64-head tiles on wgmma (fp8 Q.K without promotion: 10-13% faster than promoting every 32,
     within the tests' fp8-wgmma bound). <= 32 heads: fp8 runs the transposed kernel (1.5x the head-major
     one at 12 heads); nvfp4 the head-major one with register prefetch and lazy rescaling.
     """
@@ -97,14 +97,14 @@ def _epilogue(
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc * inv[:, None]
-    cols = tl.arange(0, D)
+    offs_d = tl.arange(0, D)
     if num_splits == 1:
-        o_ptrs = out_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + cols[None, :]
+        o_ptrs = out_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :]
         tl.store(o_ptrs, (o * out_scale).to(tl.bfloat16), mask=mask_h[:, None])
         tl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * 0.6931471805599453, mask=mask_h)
     else:
         base = (row * num_splits + split) * H
-        p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + cols[None, :]
+        p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :]
         tl.store(p_ptrs, o, mask=mask_h[:, None])
         tl.store(part_lse_ptr + base + offs_h, lse2, mask=mask_h)
 
