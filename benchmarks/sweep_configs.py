@@ -34,17 +34,22 @@ CACHE_ROWS = 1 << 20
 SCALE = 1.0 / math.sqrt(192.0)
 
 
-def C(bh, bn, w, st, f16=False, imp=0, pf=False, lazy=False, swap=False, cps=1):
+def C(bh, bn, w, st, f16=False, imp=0, pf=False, lazy=False, swap=False, cps=1, ptx=True):
     return Config(block_h=bh, block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps, qk_f16=f16, imprecise=imp,
-                  prefetch=pf, lazy=lazy, swap=swap)
+                  prefetch=pf, lazy=lazy, swap=swap, ptx=ptx)
 
 
-# Round 4 (rounds 1-3: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt): 32 and 96 heads, which
-# the defaults cover with unswept shapes; the current default first.
-FP8_32 = [C(32, 64, 8, 3, swap=True), C(16, 64, 4, 3, swap=True, cps=2), C(64, 64, 8, 2)]
+# Round 5 (rounds 1-4: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt): the inline-PTX e2m1 decode
+# against its Triton twin (ptx=False, the round-4 kernel) on the nvfp4 defaults; 16 warps (4 warpgroups, 64
+# accumulator registers a thread) for the 64-head fp8 tile; nvfp4 at 32 heads as 16-head blocks x 2; nvfp4 tiles
+# that the cheaper decode may now afford. The current default first.
+FP8_128 = [C(64, 64, 8, 2), C(64, 64, 16, 2), C(64, 32, 16, 2)]
+NV_128 = [C(64, 64, 8, 2), C(64, 64, 8, 2, ptx=False), C(64, 32, 8, 3)]
 NV_32 = [C(32, 32, 8, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True, cps=2)]
-FP8_96 = [C(64, 64, 8, 2), C(32, 64, 8, 3, swap=True), C(16, 64, 4, 3, swap=True, cps=2)]
-CANDIDATES = {("fp8", 32): FP8_32, ("nvfp4_ds_mla", 32): NV_32, ("fp8", 96): FP8_96}
+NV_12 = [C(16, 32, 4, 1, pf=True, lazy=True, cps=2), C(16, 32, 4, 1, pf=True, lazy=True, cps=2, ptx=False),
+         C(16, 32, 4, 2, cps=2), C(16, 64, 4, 1, pf=True, lazy=True, cps=2)]
+CANDIDATES = {("fp8", 128): FP8_128, ("nvfp4_ds_mla", 128): NV_128, ("nvfp4_ds_mla", 32): NV_32,
+              ("nvfp4_ds_mla", 12): NV_12}
 ROWS = {128: (5, 20, 80, 320), 96: (5, 80, 320), 32: (5, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
 
 
@@ -124,7 +129,7 @@ def main():
             rec = dict(fmt=fmt, heads=heads, config=cfg.__dict__, rel_l2=rel, lse_err=lse_err, ok=ok, regs=regs,
                        spills=spills, smem=smem, ctas_per_sm=occ, compile_s=comp, times={})
             line = f"{name:22s} bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} f16={int(cfg.qk_f16)} " \
-                   f"imp{cfg.imprecise} pf{int(cfg.prefetch)} lz{int(cfg.lazy)} sw{int(cfg.swap)}: " \
+                   f"imp{cfg.imprecise} pf{int(cfg.prefetch)} lz{int(cfg.lazy)} sw{int(cfg.swap)} ptx{int(cfg.ptx)}: " \
                    f"regs {regs} spill {spills} smem {smem // 1024}K occ {occ} | rel {rel:.1e} lse {lse_err:.1e} {'ok' if ok else 'BAD'} |"
             cfg_occ = Config(**{**cfg.__dict__, "ctas_per_sm": max(1, occ)})
             for rows in ROWS[heads]:

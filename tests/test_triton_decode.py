@@ -9,9 +9,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
+from vllm_kimi_dsa.formats import E2M1_VALUES, LATENT_DIM, quantize_rows
 from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.triton_decode import (
     Config,
     TritonDecode,
@@ -192,6 +195,33 @@ def test_kernel_class_protocol():
 
 # --------------------------------------------------------------------------- GPU sweep
 
+@triton.jit
+def _e2m1_kernel(src_ptr, lo_ptr, hi_ptr, N: tl.constexpr, PTX: tl.constexpr):
+    offs = tl.arange(0, N)
+    packed = tl.load(src_ptr + offs)
+    if PTX:
+        lo, hi = triton_decode._e2m1_pairs_ptx(packed)
+    else:
+        lo = triton_decode._e2m1_to_f16(packed.to(tl.int32) & 15)
+        hi = triton_decode._e2m1_to_f16(packed.to(tl.int32) >> 4)
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
+
+
+@pytest.mark.parametrize("ptx", [False, True] if GPU else [False])
+def test_e2m1_decode_every_byte(ptx):
+    """Both e2m1 decoders (the inline-PTX one on a GPU, the Triton twin everywhere) on all 256 bytes, bit-exact."""
+    n = 1024
+    src = torch.randperm(n, generator=torch.Generator().manual_seed(3)).remainder(256).to(torch.uint8).to(DEVICE)
+    lo = torch.full((n,), float("nan"), dtype=torch.float16, device=DEVICE)
+    hi = torch.full((n,), float("nan"), dtype=torch.float16, device=DEVICE)
+    _e2m1_kernel[(1,)](src, lo, hi, N=n, PTX=ptx)
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float16)
+    codes = src.cpu().long()
+    assert torch.equal(lo.cpu().view(torch.int16), table[codes & 15].view(torch.int16))
+    assert torch.equal(hi.cpu().view(torch.int16), table[codes >> 4].view(torch.int16))
+
+
 gpu = pytest.mark.skipif(not GPU, reason="the full sweep needs a CUDA GPU (the interpreter is too slow)")
 
 
@@ -216,6 +246,23 @@ def test_gpu_odd_rows_and_repeat_is_deterministic(fmt):
         sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@gpu
+@pytest.mark.parametrize("heads", [128, 32, 12])
+def test_gpu_nvfp4_ptx_decode_matches_twin(heads):
+    """The inline-PTX e2m1 decode and the Triton twin dequantize to the same fp16 bits: equal outputs."""
+    rows, width, fmt = 9, 2048, "nvfp4_ds_mla"
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=heads)
+    outs = []
+    for ptx in (True, False):
+        cfg = Config(**{**default_config(heads, fmt).__dict__, "ptx": ptx})
+        out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.full((rows, heads), float("nan"), device=DEVICE)
+        sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse, config=cfg)
+        outs.append((out, lse))
+    _check(outs[0][0], outs[0][1], q, kv, slots, counts, fmt, ss, os_)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @gpu

@@ -38,14 +38,15 @@ class Config:
     prefetch: bool = False  # gather the next tile into registers while this one computes
     lazy: bool = False  # rescale the accumulator only when the running max grows by > 2**8
     swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
+    ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
-    """A fixed config by (heads, fmt), from the H200 sweeps of benchmarks/NOTES_triton_decode.md (rounds 1-4).
+    """A fixed config by (heads, fmt), from the H200 sweeps of benchmarks/NOTES_triton_decode.md (rounds 1-5).
 
     >= 64 heads: 64-head tiles on wgmma (fp8 Q.K without promotion: 10-13% faster than promoting every 32,
     within the tests' fp8-wgmma bound). <= 32 heads: fp8 runs the transposed kernel (1.5x the head-major
-    one at 12 heads); nvfp4 the head-major one with register prefetch and lazy rescaling.
+    one at 12 heads); nvfp4 16-head blocks of the head-major one with register prefetch and lazy rescaling.
     """
     fmt = normalize_format(fmt)
     if heads > 32:
@@ -54,8 +55,7 @@ def default_config(heads: int, fmt: CacheFormat) -> Config:
         if heads > 16:  # round 4: 360 µs at 320 rows, vs 364 for 16-head blocks x 2 and 375 for a 64-head tile
             return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, imprecise=0, swap=True)
         return Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, imprecise=0, swap=True)
-    if heads > 16:  # round 4: 1052 µs at 320 rows; 16-head blocks x 2 gave 961 but have not run the GPU tests
-        return Config(block_h=32, block_n=32, num_warps=8, num_stages=1, ctas_per_sm=1, prefetch=True, lazy=True)
+    # nvfp4, <= 32 heads: 16-head blocks (at 32 heads two of them: 932 vs 1026 µs for one 32-head tile, round 5)
     return Config(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, prefetch=True, lazy=True)
 
 
@@ -169,16 +169,60 @@ def _gather_nvfp4(kv_ptr, slot, stride_kv):
 
 
 @triton.jit
-def _dequant_nvfp4(packed, sc, BLOCK_N: tl.constexpr):
+def _e2m1_pairs_ptx(packed):
+    """Packed e2m1 bytes -> (low nibble, high nibble) as exact float16, 4 bytes per PRMT table lookup (SM80+).
+
+    The 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are float16 values whose low byte is 0, so their high bytes
+    (00 38 3C 3E 40 42 44 46) form an 8-entry byte table that one `prmt` indexes with 4 magnitude nibbles;
+    the sign bits are moved beside them with a second `prmt`, and a third spreads the bytes into fp16 halves.
+    ~2 instructions a value where the bit arithmetic of `_e2m1_to_f16` takes ~15 (SASS, benchmarks/NOTES).
+    `_e2m1_to_f16` is the twin the interpreter runs; tests compare both on all 256 bytes.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 m, mh, tlo, thi, l1, l2, se, so, g1, g2;
+        and.b32 m, $4, 0x77777777;
+        shr.u32 mh, m, 16;
+        mov.b32 tlo, 0x3E3C3800;
+        mov.b32 thi, 0x46444240;
+        prmt.b32 l1, tlo, thi, m;
+        prmt.b32 l2, tlo, thi, mh;
+        shl.b32 se, $4, 4;
+        and.b32 se, se, 0x80808080;
+        and.b32 so, $4, 0x80808080;
+        prmt.b32 g1, se, so, 0x5140;
+        prmt.b32 g2, se, so, 0x7362;
+        or.b32 l1, l1, g1;
+        or.b32 l2, l2, g2;
+        prmt.b32 $0, l1, 0, 0x2404;
+        prmt.b32 $1, l2, 0, 0x2404;
+        prmt.b32 $2, l1, 0, 0x3414;
+        prmt.b32 $3, l2, 0, 0x3414;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _dequant_nvfp4(packed, sc, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
     """Raw nvfp4 latent -> (even dims, odd dims) as (BLOCK_N, 256) float16, exact.
 
     e2m1 * e4m3 has at most 6 significant bits within 2**-10..2688: exact in fp16.
     """
-    pk = packed.to(tl.int32)
+    if PTX:
+        lo, hi = _e2m1_pairs_ptx(packed)
+    else:
+        pk = packed.to(tl.int32)
+        lo = _e2m1_to_f16(pk & 15)
+        hi = _e2m1_to_f16(pk >> 4)
     scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None]
-    lo = tl.reshape(_e2m1_to_f16(pk & 15) * scale, [BLOCK_N, 256])
-    hi = tl.reshape(_e2m1_to_f16(pk >> 4) * scale, [BLOCK_N, 256])
-    return lo, hi
+    return tl.reshape(lo * scale, [BLOCK_N, 256]), tl.reshape(hi * scale, [BLOCK_N, 256])
 
 
 @triton.jit
@@ -294,6 +338,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,  # gather tile i + 1 into registers while tile i computes (slots 2 ahead)
     LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
     SWAP: tl.constexpr,  # transposed dots: S^T = K Q^T, O^T = V^T P^T
+    PTX: tl.constexpr,  # inline PTX where it helps (a GPU); False: the pure-Triton twin (the interpreter)
 ):
     """One (head block, KV split, row): online softmax over the split's tiles of gathered rows.
 
@@ -333,7 +378,7 @@ def _decode_kernel(
                 packed_n, sc_n, rope_n, valid_n = _gather_nvfp4(kv_ptr, slot_n, stride_kv)
             else:
                 packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
-            lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N)
+            lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N, PTX)
             k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, 0)
             s = _qk(q_lo, lo, s, SWAP, 0)
@@ -499,7 +544,7 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
         softmax_scale * LOG2E, output_scale,
         NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PTX=cfg.ptx and query.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _combine_kernel[(heads, rows)](
