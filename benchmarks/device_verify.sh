@@ -3,7 +3,7 @@
 # then the default configs timed (sweep_configs.py --defaults). From the repo root; files land in $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/verify_out}; mkdir -p "$OUT"
-timeout 170 python3 -m pytest tests/test_triton_decode.py tests/test_graphs.py tests/test_dcp.py tests/test_core.py \
+timeout 240 python3 -m pytest tests/test_triton_decode.py tests/test_gluon_decode.py tests/test_gluon_selection.py tests/test_graphs.py tests/test_dcp.py tests/test_core.py \
   -q -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 rc=$?
 echo "tests rc=$rc"; tail -3 "$OUT/tests.log"

@@ -58,14 +58,15 @@ fi
 # (a) GPU-relevant tests (FlashInfer not on the path: the H200 has none installed).
 if [ "$TESTS" = 1 ]; then
   FILES=""
-  for f in test_convert.py test_triton_decode.py test_core.py test_dcp.py test_graphs.py test_bad_input.py; do
+  for f in test_convert.py test_triton_decode.py test_gluon_decode.py test_gluon_selection.py test_core.py test_dcp.py \
+           test_graphs.py test_bad_input.py; do
     [ -f "tests/$f" ] && FILES="$FILES tests/$f"
   done
   TO=""
   python3 -c "import pytest_timeout" 2>/dev/null && TO="--timeout=120"
   if [ -z "$FILES" ]; then say "== tests: none of the GPU test files exist"; else
   # shellcheck disable=SC2086
-  run_step tests "$OUT/tests.log" 170 python3 -m pytest $FILES -q -rs $TO --junitxml="$OUT/junit.xml"
+  run_step tests "$OUT/tests.log" 220 python3 -m pytest $FILES -q -rs $TO --junitxml="$OUT/junit.xml"
   fi
 fi
 

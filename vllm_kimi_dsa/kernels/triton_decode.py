@@ -7,6 +7,7 @@ kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -526,19 +527,34 @@ def _check_inputs(query, kv_rows, slots, counts, fmt, out, lse) -> None:
         raise ValueError(f"lse must be ({rows}, {heads}) float32 with unit last stride, got {tuple(lse.shape)} {lse.dtype}")
 
 
-def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config, splits: int):
-    rows, heads = query.shape[0], query.shape[1]
-    width = slots.shape[1]
+def scratch(ws: Workspace, rows: int, heads: int, splits: int, lse: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """(splits the workspace holds, the LSE buffer to write: `lse` or the workspace's dummy) for one call."""
     if rows > ws.max_rows or heads != ws.heads:
         raise ValueError(f"workspace was made for rows <= {ws.max_rows}, heads {ws.heads}; got rows {rows}, heads {heads}")
     if splits > 1 and rows * splits * heads > ws.capacity:
         splits = max(1, ws.capacity // (rows * heads))
-    lse_t = lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
-    grid = (triton.cdiv(heads, cfg.block_h), splits, rows)
-    compiled = _decode_kernel[grid](
+    return splits, (lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads))
+
+
+def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, output_scale: float) -> None:
+    """Merge the splits' partials (when there are several) into out and lse_t."""
+    if splits > 1:
+        rows, heads = out.shape[0], out.shape[1]
+        _combine_kernel[(heads, rows)](
+            ws.part_out, ws.part_lse, out, lse_t,
+            heads, splits, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
+            SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM,
+            num_warps=4,
+        )
+
+
+def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config, splits: int):
+    rows, heads = query.shape[0], query.shape[1]
+    splits, lse_t = scratch(ws, rows, heads, splits, lse)
+    compiled = _decode_kernel[(triton.cdiv(heads, cfg.block_h), splits, rows)](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        heads, width, splits,
+        heads, slots.shape[1], splits,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
@@ -546,13 +562,7 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
         QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap,
         PTX=cfg.ptx and query.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _combine_kernel[(heads, rows)](
-            ws.part_out, ws.part_lse, out, lse_t,
-            heads, splits, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
-            SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM,
-            num_warps=4,
-        )
+    combine(ws, out, lse_t, splits, output_scale)
     return compiled
 
 
@@ -609,6 +619,17 @@ class TritonDecode:
         if bad or not setup.widths:
             raise ValueError(f"widths must be non-empty multiples of 128, got {setup.widths}")
         self.config = default_config(setup.heads, self.fmt)
+        # fp8, > 32 heads, on Hopper: the warp-specialized Gluon kernel (gluon_decode.py; 1.1-1.3x this file's
+        # kernel on the H200), unless VLLM_KIMI_DSA_GLUON=0. Everywhere else (the interpreter, other GPUs, other
+        # Triton versions) this file's kernel, which computes the same thing.
+        self.gluon = None
+        if self.fmt == "fp8" and setup.heads > 32 and os.environ.get("VLLM_KIMI_DSA_GLUON", "1") != "0":
+            from vllm_kimi_dsa.kernels import gluon_decode
+
+            if gluon_decode.gluon_available(setup.device):
+                self.gluon = gluon_decode.GluonParams()
+                self.config = self.gluon.config()
+                self._gluon_launch = gluon_decode.launch
         sms = num_sms(torch.device(setup.device))
         self.workspace = make_workspace(
             setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths, fmt=self.fmt, config=self.config
@@ -641,6 +662,10 @@ class TritonDecode:
                 f"rows={rows}, width={slots.shape[1]} not planned (max_rows {self.setup.max_rows}, widths {self.setup.widths})"
             )
         if rows == 0:
+            return
+        if self.gluon is not None:
+            self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
+                               self.setup.output_scale, self.workspace, self._splits[key], self.gluon)
             return
         _launch(
             query, kv_rows, slots, counts, out, lse, self.fmt,

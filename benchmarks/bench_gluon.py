@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Time the warp-specialized Gluon decode against the Triton kernel's default config on one H200 (fp8, H=128, K=2048).
+
+Both run on the same data in one process, each call inside a CUDA graph that rotates over input sets larger than
+2x the L2 (tune.cuda_graph_time_us / rotation_sets, as sweep_configs.py). Accuracy first: rel L2 and max LSE error of
+each kernel against the float32 reference on a 5-row case with holes and a count-0 row. Prints a table, writes
+$OUT/gluon_bench.json.
+
+    PYTHONPATH=. python3 benchmarks/bench_gluon.py --out DIR [--rows 5,20,80,320]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
+from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
+    gluon_available,
+    gluon_config,
+    gluon_sparse_mla_decode,
+    gluon_unavailable_reason,
+)
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+
+K = 2048
+HEADS = 128
+CACHE_ROWS = 1 << 20
+SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
+OSCALE = 0.125
+# name -> (block_n, k_stages, v_stages, lazy, pingpong); "triton" is triton_decode's default config
+GLUON_VARIANTS = {"gluon-bn64-ks2-lz": (64, 2, 1, True, False), "gluon-bn64-ks2-lz-pp": (64, 2, 1, True, True),
+                  "gluon-bn64-ks3-lz-pp": (64, 3, 1, True, True), "gluon-bn32-ks4-vs2-lz-pp": (32, 4, 2, True, True)}
+
+
+def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
+    if name == "triton":
+        cfg = td.default_config(HEADS, "fp8")
+        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
+                                            out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
+    bn, ks, vs, lazy, pp = GLUON_VARIANTS[name]
+    return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
+                                           lse=lse, workspace=ws, splits=splits, block_n=bn, k_stages=ks,
+                                           v_stages=vs, lazy=lazy, pingpong=pp)
+
+
+def _config(name: str) -> td.Config:
+    return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GLUON_VARIANTS[name][0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--rows", default="5,20,80,320")
+    p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
+    a = p.parse_args()
+    rows_list = [int(r) for r in a.rows.split(",")]
+    names = ["triton", *GLUON_VARIANTS]
+    if a.only:
+        names = [n for n in names if n in a.only.split(",")]
+    if not gluon_available():
+        print(f"Gluon kernel unavailable: {gluon_unavailable_reason()}; timing triton only")
+        names = [n for n in names if n == "triton"]
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv = quantize_rows(torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8, "fp8")
+    # accuracy: 5 rows, holes, a count-0 row
+    q5 = (torch.randn(5, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
+    s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
+    s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
+    c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
+    ref, ref_lse = reference_decode(q5, kv, s5, c5, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE)
+    results: dict[str, dict] = {}
+    for name in names:
+        rec: dict = {"times": {}}
+        results[name] = rec
+        for splits in (1, 3):
+            out = torch.full((5, HEADS, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
+            lse = torch.full((5, HEADS), float("nan"), device=dev)
+            t0 = time.time()
+            try:
+                h = _runner(name, q5, kv, s5, c5, out, lse, None, splits)()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
+                rec["error"] = f"{type(e).__name__}: {e}"
+                print(f"{name} splits={splits} FAILED: {rec['error'][:300]}", flush=True)
+                traceback.print_exc()
+                break
+            fin = torch.isfinite(ref_lse)
+            rel = float((out.float() - ref).norm() / ref.norm())
+            lse_err = float((lse[fin] - ref_lse[fin]).abs().max()) if bool(torch.isfinite(lse[fin]).all()) else float("inf")
+            ok = bool(torch.isfinite(out).all()) and bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
+            rec[f"acc_splits{splits}"] = dict(rel_l2=rel, lse_err=lse_err, ok=ok, compile_s=time.time() - t0)
+            rec["regs"] = getattr(h, "n_regs", None)
+            rec["spills"] = getattr(h, "n_spills", None)
+            rec["smem"] = getattr(getattr(h, "metadata", None), "shared", None)
+            print(f"{name:16s} splits={splits}: rel {rel:.2e} lse {lse_err:.2e} {'ok' if ok else 'BAD'} "
+                  f"regs {rec['regs']} spills {rec['spills']} smem {rec['smem']}", flush=True)
+        if "error" in rec:
+            continue
+        cfg = _config(name)
+        for rows in rows_list:
+            sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
+            qs = [(torch.randn(rows, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+            ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
+            cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+            outs = [torch.empty((rows, HEADS, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+            lses = [torch.empty((rows, HEADS), device=dev) for _ in range(sets)]
+            splits = td.choose_splits(rows, HEADS, K, cfg, sms)
+            ws = td.make_workspace(dev, heads=HEADS, max_rows=rows, widths=(K,), fmt="fp8", config=cfg)
+            try:
+                us = cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits)
+                                         for i in range(sets)])
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} rows={rows} timing FAILED: {e}", flush=True)
+                rec["times"][rows] = dict(error=str(e))
+                continue
+            flops = 2 * rows * HEADS * K * 1088
+            rec["times"][rows] = dict(us=us, splits=splits, tflops=flops / us / 1e6)
+            print(f"{name:16s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
+    print()
+    print(f"{'kernel':16s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
+    for name, rec in results.items():
+        cells = [f"{rec['times'][r]['us']:10.1f}" if "us" in rec["times"].get(r, {}) else f"{'-':>10s}" for r in rows_list]
+        print(f"{name:16s} " + " ".join(cells))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gluon_bench.json").write_text(json.dumps(
+        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+             K=K, heads=HEADS, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Compile the Gluon decode kernel (kernels/gluon_decode.py) for sm_90 on any machine (no GPU) and report its SASS.
+
+Per config: shared memory, the setmaxnreg budget of each partition, ptxas' spill and wgmma-serialization notes,
+and each hot loop (a backward branch over > 50 instructions: the two consumers' tile loops hold QGMMA, the
+producer's holds LDGSTS) with its length, spills inside it and its instruction mix. Costs no device time; use the
+Triton the H200 runs (3.6) for numbers that match it:
+
+    /tmp/t36/bin/python benchmarks/gluon_report.py [--sass-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+SIGNATURE = dict(
+    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+    part_out_ptr="*fp32", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32",
+    stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
+    stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
+)
+# (BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, CVT_ROWS, CONSUMER_REGS, PRODUCER_REGS)
+CONFIGS = [(64, 2, 1, 1, 0, 16, 224, 56), (64, 2, 1, 1, 1, 16, 224, 56), (64, 3, 1, 1, 1, 16, 224, 56),
+           (32, 4, 2, 1, 1, 16, 224, 56)]
+LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
+            "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")
+
+
+def compile_gluon(block_n: int, k_stages: int, v_stages: int, lazy: int, pingpong: int, cvt_rows: int, consumer_regs: int, producer_regs: int):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vllm_kimi_dsa.kernels import gluon_decode as g
+
+    fn = g.gluon_decode_kernel
+    consts = dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, LAZY=bool(lazy), PINGPONG=bool(pingpong), CVT_ROWS=cvt_rows, CONSUMER_REGS=consumer_regs,
+                  PRODUCER_REGS=producer_regs)
+    sig = dict(SIGNATURE)
+    sig.update({k: "constexpr" for k in consts})
+    # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
+    divisible = [n for n, t in SIGNATURE.items() if t.startswith("*") or n.startswith("stride") or n == "K"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4})
+
+
+
+def analyze(kernel) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        ptx = os.path.join(d, "k.ptx")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        Path(ptx).write_text(kernel.asm["ptx"])
+        sass = subprocess.run([str(_BIN / "cuobjdump"), "--dump-sass", cubin], capture_output=True, text=True).stdout
+        res = subprocess.run([str(_BIN / "cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
+                             text=True).stdout
+        # ptxas -v on the same PTX: spill bytes and the wgmma serialization note (C7514) Triton does not show
+        pv = subprocess.run([str(_BIN / "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "x.cubin")],
+                            capture_output=True, text=True)
+        ptxas = pv.stdout + pv.stderr
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    ins = []
+    for line in sass.splitlines():
+        mm = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if mm:
+            ins.append((int(mm.group(1), 16), mm.group(2)))
+    setmaxnreg = [int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP0, )?(0x[0-9a-f]+)", sass)]
+    loops = []
+    for addr, text in ins:
+        b = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if not b or text.startswith("BRA"):  # unconditional back branches are the wait retries / WS dispatch
+            continue
+        target = int(b.group(1), 16)
+        if target < addr and (addr - target) // 16 > 50:
+            body = [t for a, t in ins if target <= a <= addr]
+            mix = collections.Counter()
+            for t in body:
+                op = t.split()[1] if t.startswith("@") else t.split()[0]
+                mix[op.split(".")[0]] += 1
+            if mix["QGMMA"] and mix["LDGSTS"]:
+                continue  # a branch around several partitions (the warp-specialize dispatch), not a tile loop
+            kind = "consumer" if mix["QGMMA"] else "producer" if mix["LDGSTS"] else "other"
+            loops.append({"kind": kind, "start": hex(target), "len": len(body),
+                          "ops": {o: mix[o] for o in LOOP_OPS if mix[o]}})
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    return {
+        "regs_launch": int(m.group(1)) if m else None,
+        "stack": int(m.group(2)) if m else None,
+        "shared": kernel.metadata.shared,
+        "setmaxnreg": setmaxnreg,
+        "spill_stores": int(spill.group(1)) if spill else None,
+        "spill_loads": int(spill.group(2)) if spill else None,
+        "wgmma_serialized": "C7514" in ptxas,
+        "loops": loops,
+        "sass": sass,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sass-dir", default=None, help="also write each config's SASS, PTX and TTGIR here")
+    a = p.parse_args()
+    print(f"triton {triton.__version__}, target sm_90a, gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
+    for cfg in CONFIGS:
+        name = "BN{}-KS{}-VS{}-LZ{}-PP{}-CVT{}-R{}/{}".format(*cfg)
+        try:
+            k = compile_gluon(*cfg)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name}: COMPILE FAILED: {str(e).splitlines()[-1][:200]}")
+            continue
+        s = analyze(k)
+        print(f"{name}: smem {s['shared']} B, launch regs {s['regs_launch']}, stack {s['stack']} B, "
+              f"spills st/ld {s['spill_stores']}/{s['spill_loads']} B, wgmma serialized: {s['wgmma_serialized']}, "
+              f"setmaxnreg {s['setmaxnreg']}")
+        for lp in s["loops"]:
+            ops = " ".join(f"{o}={n}" for o, n in lp["ops"].items())
+            print(f"    {lp['kind']:8s} loop @{lp['start']}: {lp['len']} instrs  {ops}")
+        if a.sass_dir:
+            out = Path(a.sass_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{name.replace('/', '_')}.sass").write_text(s["sass"])
+            (out / f"{name.replace('/', '_')}.ptx").write_text(k.asm["ptx"])
+            (out / f"{name.replace('/', '_')}.ttgir").write_text(k.asm["ttgir"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""GPU tests of the warp-specialized Gluon decode (kernels/gluon_decode.py) against reference_decode.
+
+Hopper only (wgmma): every test skips, with the reason, where gluon_available() is False (CPU CI, other GPUs,
+Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
+row and an all-holes row, odd row counts, 64 / 96 / 128 heads, widths 128 / 1024 / 2048, one split and several
+(the combine), BLOCK_N 64 and 32, and a CUDA-graph capture / replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
+from vllm_kimi_dsa.kernels import triton_decode
+from vllm_kimi_dsa.kernels.gluon_decode import (
+    gluon_available,
+    gluon_config,
+    gluon_sparse_mla_decode,
+    gluon_unavailable_reason,
+)
+from vllm_kimi_dsa.reference import reference_decode
+from test_triton_decode import _check as triton_check
+
+pytestmark = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tolerances: tests/test_triton_decode.py's, for the same arithmetic as its 64-head fp8 kernel (bf16 output
+# rounding, fp16 P, and the fp8 wgmma's ~14-bit accumulation bounded by conftest.wgmma_logit_bound); see _check.
+
+
+@dataclass(frozen=True)
+class Case:
+    rows: int
+    heads: int
+    width: int
+    splits: int | None = None  # None: the heuristic; 1: no combine
+    block_n: int = 64
+    k_stages: int = 2
+    v_stages: int = 1
+    lazy: bool = False
+    pingpong: bool = False
+
+
+CASES = [
+    Case(1, 128, 2048, splits=1),
+    Case(5, 128, 2048, splits=1),
+    Case(5, 128, 2048, splits=3),
+    Case(7, 96, 1024),
+    Case(7, 96, 1024, splits=1),
+    Case(33, 64, 128),
+    Case(33, 128, 1024, splits=1),
+    Case(320, 128, 2048),
+    Case(320, 128, 2048, splits=1),
+    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4),
+    Case(7, 96, 1024, splits=2, block_n=32, k_stages=4),
+    Case(7, 128, 2048, splits=1, k_stages=3),
+    Case(7, 128, 2048, splits=1, lazy=True),
+    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=3, v_stages=2),
+    Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_stages=2, lazy=True),
+    Case(320, 128, 2048, block_n=32, k_stages=4, v_stages=2, lazy=True),
+    Case(5, 128, 2048, splits=1, pingpong=True),
+    Case(7, 128, 2048, splits=1, k_stages=3, lazy=True, pingpong=True),
+    Case(19, 128, 2048, splits=2, lazy=True, pingpong=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True, pingpong=True),
+    Case(320, 128, 2048, lazy=True, pingpong=True),
+]
+
+
+def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099):
+    """Fresh random inputs: N(0,1) rows (every 7th x8) quantized to fp8, e4m3 queries, slots with -1 holes and far
+    out-of-range junk past counts; row 1 count 0, row 2 count 1, row 3 width - 1, row 4 all holes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, 576, generator=g)
+    x[::7] *= 8.0
+    kv = quantize_rows(x, "fp8")
+    q = (torch.randn(rows, heads, 576, generator=g) * 1.5).to(torch.float8_e4m3fn)
+    slots = torch.randint(0, num_rows, (rows, width), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    counts[0] = width
+    for i, c in ((1, 0), (2, 1), (3, width - 1)):
+        if rows > i:
+            counts[i] = c
+    past = torch.arange(width).expand(rows, width) >= counts.long().unsqueeze(1)
+    junk = torch.randint(1 << 28, 1 << 30, (rows, width), generator=g, dtype=torch.int32)
+    slots = torch.where(past, junk, slots)
+    hole = (torch.rand(rows, width, generator=g) < 0.1) & ~past
+    slots = torch.where(hole, torch.full_like(slots, -1), slots)
+    if rows > 4:
+        slots[4, : counts[4]] = -1
+    softmax_scale = 1.0 / math.sqrt(576.0) * 0.7
+    output_scale = 0.37
+    return q.to(DEVICE), kv.to(DEVICE), slots.to(DEVICE), counts.to(DEVICE), softmax_scale, output_scale
+
+
+def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale) -> None:
+    """test_triton_decode's check (bf16 rounding, fp16 P, the fp8-wgmma logit bound) with the Gluon kernel's config."""
+    triton_check(out, lse, q, kv, slots, counts, "fp8", softmax_scale, output_scale, config=gluon_config())
+
+
+def _poisoned(rows: int, heads: int):
+    out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((rows, heads), float("nan"), device=DEVICE)
+    return out, lse
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_stages}-lz{int(c.lazy)}-pp{int(c.pingpong)}")
+def test_matches_reference(case: Case) -> None:
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
+    out, lse = _poisoned(case.rows, case.heads)
+    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                            splits=case.splits, block_n=case.block_n, k_stages=case.k_stages,
+                            v_stages=case.v_stages, lazy=case.lazy, pingpong=case.pingpong)
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+def test_without_lse() -> None:
+    """lse=None: the kernel writes the workspace's dummy LSE; out must still match."""
+    q, kv, slots, counts, ss, os_ = _case(5, 128, 1024, seed=3)
+    out, _ = _poisoned(5, 128)
+    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
+    torch.cuda.synchronize()
+    _, ref_lse = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
+    _check(out, ref_lse, q, kv, slots, counts, ss, os_)
+
+
+def test_agrees_with_triton_kernel() -> None:
+    """Same inputs through the plain-Triton 64-head kernel: the two differ by no more than their own errors allow."""
+    q, kv, slots, counts, ss, os_ = _case(20, 128, 2048, seed=11)
+    out_g, lse_g = _poisoned(20, 128)
+    out_t, lse_t = _poisoned(20, 128)
+    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g)
+    triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out_t,
+                                    lse=lse_t)
+    torch.cuda.synchronize()
+    _check(out_g, lse_g, q, kv, slots, counts, ss, os_)
+    ref, _ = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
+    assert torch.equal(torch.isfinite(lse_t), torch.isfinite(lse_g))
+    err_g = ((out_g.float() - ref).norm() / ref.norm()).item()
+    err_t = ((out_t.float() - ref).norm() / ref.norm()).item()
+    between = ((out_g.float() - out_t.float()).norm() / ref.norm()).item()
+    assert between <= err_g + err_t + 1e-4, f"kernels differ by {between:.2e} (errors {err_g:.2e}, {err_t:.2e})"
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_graph_replay(splits: int) -> None:
+    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
+    rows, heads, width = 7, 128, 1024
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
+                                      config=gluon_config())
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                workspace=ws, splits=splits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    q2, kv2, slots2, counts2, _, _ = _case(rows, heads, width, seed=22)
+    q.copy_(q2)
+    kv.copy_(kv2)
+    slots.copy_(slots2)
+    counts.copy_(counts2)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+def test_rejects_few_heads() -> None:
+    q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
+    out, lse = _poisoned(3, 32)
+    with pytest.raises(ValueError, match="heads"):
+        gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)

@@ -1,0 +1,57 @@
+"""Which kernel TritonDecode runs: the Gluon one for fp8 at > 32 heads on Hopper, this package's Triton one elsewhere.
+
+Runs everywhere: on a CPU (CI) it checks the fallback and GluonParams' argument rules; on a Hopper GPU also that
+the Gluon kernel is picked, and that VLLM_KIMI_DSA_GLUON=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available
+from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, default_config
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HOPPER = gluon_available(DEVICE)
+
+
+def _setup(fmt: str, heads: int) -> DecodeSetup:
+    return DecodeSetup(
+        device=DEVICE, fmt=fmt, heads=heads, row_counts=(4,), capacities=(), widths=(2048,),
+        return_lse=True, softmax_scale=1.0 / math.sqrt(576.0), output_scale=1.0,
+    )
+
+
+def test_gluon_params_reject_bad_shapes() -> None:
+    GluonParams()  # the defaults fit
+    with pytest.raises(ValueError, match="block_n"):
+        GluonParams(block_n=48)
+    with pytest.raises(ValueError, match="shared memory"):
+        GluonParams(block_n=64, k_stages=3, v_stages=2)  # 36 + 108 + 128 KB > 227 KB
+    with pytest.raises(ValueError, match="k_stages"):
+        GluonParams(k_stages=1)
+
+
+def test_gluon_never_on_cpu() -> None:
+    assert not gluon_available("cpu")
+
+
+@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("nvfp4_ds_mla", 128)])
+def test_kernel_choice(fmt: str, heads: int) -> None:
+    k = TritonDecode(_setup(fmt, heads))
+    want = HOPPER and fmt == "fp8" and heads > 32
+    assert (k.gluon is not None) == want
+    if k.gluon is None:
+        assert k.config == default_config(heads, fmt)
+    else:
+        assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")
+def test_env_turns_gluon_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
+    assert TritonDecode(_setup("fp8", 128)).gluon is None

@@ -1,0 +1,477 @@
+"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a: wgmma): FP8 cache, > 32 heads in 64-head tiles.
+
+Computes what `triton_decode._decode_kernel` computes for NVFP4=False, SWAP=False, BLOCK_H=64 (same grid, same
+runtime arguments, same split scratch and `_combine_kernel`), but with producer and consumer warpgroups. Not for
+nvfp4 caches, <= 32 heads, or sm_100+ (no wgmma there): `gluon_available()` says whether this process can run it.
+
+Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BLOCK_N x 576 B K ring
++ V_STAGES x BLOCK_N KB V16, at most 227 KB):
+- Before the fork the default warpgroup stores Q (64 heads x 576 e4m3, padded heads 0) into NVMMA-swizzled shared
+  memory (latent and RoPE apart) and initializes the mbarriers.
+- WG2, the producer (56 registers via setmaxnreg): per tile it loads the BLOCK_N slots and gathers the 576-byte rows
+  with cp.async (16-byte chunks; rows of holes / tokens past the split are zero-filled, so V is finite) into stage
+  it % K_STAGES of the K ring, and has every thread `cp.async.mbarrier.arrive.noinc` on k_ready[stage]. Then it
+  converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring (BLOCK_N x 512 fp16
+  a stage, two column halves with their own barriers), fences for the async proxy and arrives on that half's v_ready.
+- WG0 (default partition) and WG1 (worker), the consumers (224 registers each): both compute the full logits
+  S = Q K^T (64 x BLOCK_N; fp8 wgmma from shared memory, K = 512 + 64, no accumulator promotion, as the default
+  Triton config) -- redundant, but no S exchange; each owns half of O: acc (64 x 256 fp32) += P . V16[:, half]
+  with P fp16 in registers as the wgmma A operand. Iteration `it` issues Q.K of tile it and P.V of tile it - 1 back
+  to back and retires both before the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it
+  grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
+  while the other does its softmax.
+- mbarriers: k_ready[s] (count 128: producer threads via cp.async), k_empty[s] (3: both consumers after their Q.K,
+  the producer after reading the stage), v_ready[s, half] (1: the producer), v_empty[s, half] (1: that half's
+  consumer after its P.V), turn[2] (1: the other consumer).
+- Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
+
+Written against Gluon's 3.6 API (`gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)`); 3.8 compiles
+it too. The module imports on any machine (CPU, no Gluon) without error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.kernels import triton_decode as td
+
+LOG2E = td.LOG2E
+BLOCK_H = 64  # heads a CTA (the wgmma M of one warpgroup)
+DEFAULT_BLOCK_N = 64
+DEFAULT_K_STAGES = 2
+DEFAULT_V_STAGES = 1
+DEFAULT_LAZY = True
+DEFAULT_PINGPONG = True
+DEFAULT_CVT_ROWS = 16
+# Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups
+# gives each worker what it requests and the default partition (consumer WG0) 504 - the two requests, so the
+# producer's small share goes to the consumers (224 + 224 + 56 = 504).
+DEFAULT_CONSUMER_REGS = 224
+DEFAULT_PRODUCER_REGS = 56
+# Triton versions whose Gluon API this file is written against: 3.6 (the H200's) and 3.8 both compile it offline
+# for sm_90a (benchmarks/gluon_report.py); others may have moved the API (warp_specialize's signature did in 3.6).
+SUPPORTED_TRITON = ("3.6", "3.8")
+
+try:  # Gluon is experimental: absent from old Triton, its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    _GLUON_IMPORT_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
+    gluon = None
+    gl = None
+    _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+def _triton_version_supported() -> bool:
+    return any(triton.__version__.startswith(v) for v in SUPPORTED_TRITON)
+
+
+def gluon_available(device: torch.device | str | None = None) -> bool:
+    """Whether this process can run the Gluon kernel on `device` (default: the current CUDA device): Gluon imports,
+    Triton's version is one this file targets, and the device is a Hopper (sm_90; no wgmma on sm_100+). Never raises."""
+    try:
+        if _GLUON_IMPORT_ERROR is not None or not _triton_version_supported():
+            return False
+        if device is not None and torch.device(device).type != "cuda":
+            return False
+        if not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device)[0] == 9
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def gluon_unavailable_reason() -> str:
+    """Why gluon_available() is False ('' when it is True)."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"Gluon does not import: {_GLUON_IMPORT_ERROR}"
+    if not _triton_version_supported():
+        return f"triton {triton.__version__} is not one of {SUPPORTED_TRITON} (the Gluon API this kernel is written for)"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        cap = torch.cuda.get_device_capability()
+    except Exception as e:  # noqa: BLE001
+        return f"CUDA query failed: {e}"
+    if cap[0] != 9:
+        return f"device is sm_{cap[0]}{cap[1]}, the kernel needs Hopper (sm_90) wgmma"
+    return ""
+
+
+# ----------------------------------------------------------------------------- kernel
+
+if gl is not None:
+    _BH = gl.constexpr(BLOCK_H)
+    _D = gl.constexpr(LATENT_DIM)
+
+    @gluon.jit
+    def _consumer(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s,
+        k_ready, k_empty, v_ready, v_empty, turn,
+        slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, hb, start, end, num_tiles, H, num_splits,
+        stride_s_row, stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+        LAZY: gl.constexpr, PINGPONG: gl.constexpr,
+    ):
+        """One consumer warpgroup: S = Q K^T, online softmax, acc += P V16[:, HALF*256 : HALF*256+256]; epilogue."""
+        DH: gl.constexpr = 256  # output columns a consumer
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        tok_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        m_i = gl.full([_BH], float("-inf"), gl.float32, head_s_layout)
+        l_i = gl.full([_BH], 0.0, gl.float32, head_s_layout)
+        acc = gl.zeros([_BH, DH], gl.float32, o_layout)
+        s_zero = gl.zeros([_BH, BLOCK_N], gl.float32, s_layout)
+        p16 = gl.zeros([_BH, BLOCK_N], gl.float16, p_layout)  # P of the previous tile (its P.V is still to do)
+
+        # Software pipeline: iteration `it` issues Q.K of tile it and P.V of tile it - 1 back to back (the tensor
+        # core runs them without a gap while this warpgroup waits), then does tile it's softmax on the CUDA cores
+        # (while the other consumer's wgmmas run). Every wgmma is retired inside its iteration: ptxas serializes
+        # all wgmmas if an accumulator stays in flight across the loop's back edge.
+        for it in range(num_tiles):
+            stage = it % K_STAGES
+            n0 = start + it * BLOCK_N
+            offs_n = n0 + gl.arange(0, BLOCK_N, tok_layout)
+            # the same slots the producer gathered; issued before the wait so the load hides behind it
+            slot = gl.load(s_base + offs_n, mask=offs_n < end, other=-1)
+
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+            # cp.async wrote the stage through the generic proxy; wgmma reads through the async proxy
+            fence_async_shared()
+            # fp8 x fp8 with no accumulator promotion (max_num_imprecise_acc None -> sm_90's 2**30 default), as the
+            # default Triton config (imprecise=0): the tests' wgmma_logit_bound covers it
+            if PINGPONG:
+                # take turns issuing (WG0's tile it, WG1's tile it, WG0's tile it + 1, ...): the tensor core then
+                # runs one consumer's wgmmas while the other does its softmax, instead of both at once
+                mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
+            s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
+            acc_t = warpgroup_mma_init(acc)
+            vstage = (it + V_STAGES - 1) % V_STAGES  # tile it - 1's V16 stage
+            if it > 0:
+                mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
+                acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF))
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_t))
+            mbarrier.arrive(k_empty.index(stage))
+            mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
+
+            # online softmax in base 2, as triton_decode._softmax
+            s = gl.where(gl.expand_dims(slot >= 0, 0), s * qk_scale, float("-inf"))
+            m_tile = gl.max(s, axis=1)
+            if LAZY:
+                # keep a stale max until some head's grows by > 2**8 (P <= 256 stays exact enough in fp16): the
+                # 64 x 256 accumulator (128 FMUL a thread) is rescaled on a few tiles, not on every one
+                grow = gl.max((m_tile > m_i + 8.0).to(gl.int32), axis=0)
+                if grow > 0:
+                    m_new = gl.maximum(m_i, m_tile)
+                    alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 1)
+                    l_i = l_i * alpha
+                    m_i = m_new
+                p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+                l_i = l_i + gl.sum(p, axis=1)
+            else:
+                m_new = gl.maximum(m_i, m_tile)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - gl.expand_dims(m_use, 1))
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 1)
+            # P rounds to fp16 as in the Triton kernel; as the wgmma's register A operand it needs no shared memory
+            p16 = gl.convert_layout(p.to(gl.float16), p_layout)
+        if num_tiles > 0:
+            vstage = (num_tiles - 1) % V_STAGES
+            mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((num_tiles - 1) // V_STAGES) & 1)
+            acc = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        # epilogue, as triton_decode._epilogue (each consumer its 256 columns; WG0 the LSE)
+        has = l_i > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        o = acc * gl.expand_dims(gl.convert_layout(inv, head_o_layout), 1)
+        offs_h = hb * _BH + gl.arange(0, _BH, head_o_layout)
+        mask_h = offs_h < H
+        offs_d = HALF * DH + gl.arange(0, DH, gl.SliceLayout(0, o_layout))
+        offs_h_s = hb * _BH + gl.arange(0, _BH, head_s_layout)
+        mask_h_s = offs_h_s < H
+        mask_o = gl.expand_dims(mask_h, 1) & gl.expand_dims(offs_d < _D, 0)
+        if num_splits == 1:
+            o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 1)
+                      + gl.expand_dims(offs_d, 0))
+            gl.store(o_ptrs, (o * out_scale).to(gl.bfloat16), mask=mask_o)
+            if HALF == 0:
+                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=mask_h_s)
+        else:
+            base = (row * num_splits + split) * H
+            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 1) + gl.expand_dims(offs_d, 0)
+            gl.store(p_ptrs, o, mask=mask_o)
+            if HALF == 0:
+                gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
+
+    @gluon.jit
+    def _producer(
+        k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
+        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16."""
+        # 16-byte chunks: a warp covers one 512-byte latent row, or eight 64-byte RoPE rows
+        lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        # conversion: a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores)
+        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, lat_layout))
+        offs_rope = gl.arange(0, 64, gl.SliceLayout(0, rope_layout))
+        for it in range(num_tiles + 1):
+            if it < num_tiles:
+                stage = it % K_STAGES
+                n0 = start + it * BLOCK_N
+                offs_n = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, lat_layout))
+                slot = gl.load(s_base + offs_n, mask=offs_n < end, other=-1)
+                valid = slot >= 0
+                row_base = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * stride_kv
+                # the stage is free once both consumers' Q.K and our conversion of tile it - K_STAGES are done
+                mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+                async_copy.async_copy_global_to_shared(
+                    k_lat_s.index(stage), gl.expand_dims(row_base, 1) + gl.expand_dims(offs_lat, 0),
+                    mask=gl.expand_dims(valid, 1))
+                offs_nr = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rope_layout))
+                slot_r = gl.load(s_base + offs_nr, mask=offs_nr < end, other=-1)
+                valid_r = slot_r >= 0
+                rope_base = kv_ptr + gl.where(valid_r, slot_r, 0).to(gl.int64) * stride_kv + 512
+                async_copy.async_copy_global_to_shared(
+                    k_rope_s.index(stage), gl.expand_dims(rope_base, 1) + gl.expand_dims(offs_rope, 0),
+                    mask=gl.expand_dims(valid_r, 1))
+                # every producer thread arrives (count 128) once its copies have landed
+                async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+            if it > 0:
+                j = it - 1
+                cstage = j % K_STAGES
+                mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
+                vstage = j % V_STAGES
+                k_cur = k_lat_s.index(cstage)
+                for half in gl.static_range(2):
+                    # each half has its own barriers: consumer WG0 need not wait for WG1's P.V to get its half
+                    mbarrier.wait(v_empty.index(vstage * 2 + half), ((j // V_STAGES) & 1) ^ 1)
+                    v_dst = v16_s.index(vstage * 2 + half)
+                    for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
+                        x = k_cur.slice(half * 256, 256, dim=1).slice(r0, CVT_ROWS, dim=0).load(cvt_layout)
+                        v_dst.slice(r0, CVT_ROWS, dim=0).store(x.to(gl.float16))
+                    fence_async_shared()
+                    mbarrier.arrive(v_ready.index(vstage * 2 + half))
+                mbarrier.arrive(k_empty.index(cstage))
+
+    @gluon.jit
+    def gluon_decode_kernel(
+        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        H, K, num_splits,
+        stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BLOCK_N: gl.constexpr,  # KV rows a tile
+        K_STAGES: gl.constexpr,  # K ring depth
+        V_STAGES: gl.constexpr,  # fp16 V ring depth (2: the producer converts tile i + 1 while P.V reads tile i)
+        LAZY: gl.constexpr,  # rescale the accumulators only when a running max grows by > 2**8
+        PINGPONG: gl.constexpr,  # the two consumers take turns issuing their wgmmas
+        CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
+        CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
+        PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
+    ):
+        """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        row = gl.program_id(2)
+
+        # the split's token range, as triton_decode._split_range
+        count = gl.load(counts_ptr + row)
+        count = gl.minimum(gl.maximum(count, 0), K)
+        tiles = gl.cdiv(count, BLOCK_N)
+        per = gl.cdiv(tiles, num_splits)
+        start = split * per * BLOCK_N
+        end = gl.minimum(start + per * BLOCK_N, count)
+        num_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+        q_lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        q_rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [_BH, 512], q_lat_layout)
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [_BH, 64], q_rope_layout)
+        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], q_lat_layout)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], q_rope_layout)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_STAGES * 2, BLOCK_N, 256], v16_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=128)  # cp.async.mbarrier.arrive.noinc from each producer thread
+            mbarrier.init(k_empty.index(i), count=3)  # consumer WG0, WG1, the producer's conversion
+        for i in gl.static_range(V_STAGES * 2):  # (stage, half)
+            mbarrier.init(v_ready.index(i), count=1)  # the producer
+            mbarrier.init(v_empty.index(i), count=1)  # that half's consumer
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)  # the other consumer, after issuing its wgmmas
+
+        # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        offs_h = hb * _BH + gl.arange(0, _BH, gl.SliceLayout(1, q_layout))
+        q_base = q_ptr + row.to(gl.int64) * stride_q_row + gl.expand_dims(offs_h * stride_q_head, 1)
+        q_lat = gl.load(q_base + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_layout)), 0),
+                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_lat_s.store(q_lat)
+        offs_hr = hb * _BH + gl.arange(0, _BH, gl.SliceLayout(1, q_rope_ld))
+        q_rope = gl.load(q_ptr + row.to(gl.int64) * stride_q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
+                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
+                         mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
+        q_rope_s.store(q_rope)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
+                             slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, start, end, num_tiles, H, num_splits,
+                             stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             0, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG)),
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
+                             slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, start, end, num_tiles, H, num_splits,
+                             stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             1, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG)),
+                (_producer, (k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
+                             kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                             BLOCK_N, K_STAGES, V_STAGES, CVT_ROWS)),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class GluonParams:
+    """Compile-time shape of the Gluon kernel (defaults: the fastest measured on the H200, NOTES_triton_decode.md)."""
+
+    block_n: int = DEFAULT_BLOCK_N  # tokens a tile: 64 or 32
+    k_stages: int = DEFAULT_K_STAGES  # K ring depth
+    v_stages: int = DEFAULT_V_STAGES  # fp16 V ring depth
+    lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
+    pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (32, 64):
+            raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
+        smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_stages * self.block_n * LATENT_DIM * 2
+        if self.k_stages < 2 or self.v_stages < 1 or smem > 227 * 1024:
+            raise ValueError(f"k_stages >= 2 and v_stages >= 1 must fit 227 KB of shared memory, got "
+                             f"{self.k_stages}, {self.v_stages} ({smem} B)")
+
+    def config(self) -> td.Config:
+        """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM)."""
+        return gluon_config(self.block_n)
+
+
+def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
+    """The triton_decode.Config the split heuristic and the workspace see for this kernel (64-head tiles, 1 CTA/SM)."""
+    return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1)
+
+
+def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
+           ws: td.Workspace, splits: int, params: GluonParams) -> Any:
+    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+    rows, heads = query.shape[0], query.shape[1]
+    splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
+    compiled = gluon_decode_kernel[(triton.cdiv(heads, BLOCK_H), splits, rows)](
+        query, kv_rows, slots, counts,
+        out, lse_t, ws.part_out, ws.part_lse,
+        heads, slots.shape[1], splits,
+        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
+        out.stride(0), out.stride(1), lse_t.stride(0),
+        softmax_scale * LOG2E, output_scale,
+        BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
+        PINGPONG=params.pingpong, CVT_ROWS=DEFAULT_CVT_ROWS,
+        CONSUMER_REGS=DEFAULT_CONSUMER_REGS, PRODUCER_REGS=DEFAULT_PRODUCER_REGS,
+        num_warps=4,  # the default partition (consumer WG0); the workers add 8 warps: 12 in all
+    )
+    td.combine(ws, out, lse_t, splits, output_scale)
+    return compiled
+
+
+def gluon_sparse_mla_decode(
+    query: torch.Tensor,
+    kv_rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    softmax_scale: float,
+    output_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    workspace: td.Workspace | None = None,
+    splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    k_stages: int = DEFAULT_K_STAGES,
+    v_stages: int = DEFAULT_V_STAGES,
+    lazy: bool = DEFAULT_LAZY,
+    pingpong: bool = DEFAULT_PINGPONG,
+) -> Any:
+    """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
+
+    query: (rows, H, 576) float8_e4m3fn raw values (q_scale folded into softmax_scale), H > 32 (64-head tiles).
+    kv_rows: (num_rows, 576) float8_e4m3fn flat rows.
+    slots: (rows, K) int32, valid flat rows first; entries past counts and -1 are ignored.
+    counts: (rows,) int32.
+    out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
+    workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
+    splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
+    block_n .. pingpong: GluonParams' fields.
+    Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
+    """
+    if not gluon_available(query.device) or gl is None:
+        raise RuntimeError(f"the Gluon decode kernel cannot run here: {gluon_unavailable_reason()}")
+    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    rows, heads = query.shape[0], query.shape[1]
+    if heads <= 32:
+        raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
+    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong)
+    cfg = params.config()
+    width = slots.shape[1]
+    if workspace is None:
+        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
+    if splits is None:
+        splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
+    if rows == 0:
+        return None
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
