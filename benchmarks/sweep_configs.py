@@ -70,13 +70,51 @@ def profile(fmt, heads, ci, rows):
     print(f"profiled {fmt} H{heads} {cfg} rows {rows}")
 
 
+def splits_probe(out_dir):
+    """Default config, fp8, 128 and 12 heads, 1-20 rows: µs for each KV split count, beside choose_splits' pick."""
+    from vllm_kimi_dsa.kernels.triton_decode import default_config
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv = quantize_rows(torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8, "fp8")
+    res = []
+    for heads, rows in ((128, 1), (128, 5), (128, 20), (12, 5), (12, 20)):
+        cfg = default_config(heads, "fp8")
+        pick = choose_splits(rows, heads, K, cfg, sms)
+        sets = rotation_sets(rows * K * 576, lo=1, hi=24)
+        qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+        ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
+        cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+        outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+        line = f"H{heads} rows {rows} (pick {pick}):"
+        for splits in sorted({1, 2, 4, 6, 8, 11, 16, 22, 32, pick}):
+            ws = make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt="fp8", config=cfg)
+            if splits > 1 and rows * splits * heads > ws.capacity:
+                ws.part_out = torch.empty(rows * splits * heads * LATENT_DIM, device=dev)
+                ws.part_lse = torch.empty(rows * splits * heads, device=dev)
+                ws.capacity = rows * splits * heads
+            fns = [(lambda i=i, ws=ws, sp=splits: sparse_mla_decode(qs[i], kv, ss[i], cs, fmt="fp8", softmax_scale=0.01,
+                                                                     output_scale=1.0, out=outs[i], workspace=ws,
+                                                                     config=cfg, splits=sp)) for i in range(sets)]
+            us = cuda_graph_time_us(fns)
+            res.append(dict(heads=heads, rows=rows, splits=splits, pick=pick, us=us))
+            line += f" {splits}:{us:.1f}"
+        print(line, flush=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "splits.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), results=res), indent=1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--only", default="")
     p.add_argument("--profile", default="", help="fmt,heads,config index,rows: one launch only (for ncu)")
     p.add_argument("--defaults", action="store_true", help="time default_config at 128 and 12 heads instead")
+    p.add_argument("--splits", action="store_true", help="time default_config at few rows over a range of KV splits")
     a = p.parse_args()
+    if a.splits:
+        return splits_probe(a.out)
     if a.defaults:
         from vllm_kimi_dsa.kernels.triton_decode import default_config
 
