@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, default_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
+AUTO = HOPPER and gluon_verified()  # picked without being asked for
 
 
 def _setup(fmt: str, heads: int) -> DecodeSetup:
@@ -43,7 +44,7 @@ def test_gluon_never_on_cpu() -> None:
 @pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("nvfp4_ds_mla", 128)])
 def test_kernel_choice(fmt: str, heads: int) -> None:
     k = TritonDecode(_setup(fmt, heads))
-    want = HOPPER and fmt == "fp8" and heads > 32
+    want = AUTO and fmt == "fp8" and heads > 32
     assert (k.gluon is not None) == want
     if k.gluon is None:
         assert k.config == default_config(heads, fmt)
@@ -52,6 +53,14 @@ def test_kernel_choice(fmt: str, heads: int) -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")
-def test_env_turns_gluon_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     assert TritonDecode(_setup("fp8", 128)).gluon is None
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    assert TritonDecode(_setup("fp8", 128)).gluon is not None
+    assert TritonDecode(_setup("nvfp4_ds_mla", 128)).gluon is None
+
+
+def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    assert (TritonDecode(_setup("fp8", 128)).gluon is not None) == HOPPER

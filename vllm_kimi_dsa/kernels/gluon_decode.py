@@ -56,6 +56,10 @@ DEFAULT_PRODUCER_REGS = 56
 # Triton versions whose Gluon API this file is written against: 3.6 (the H200's) and 3.8 both compile it offline
 # for sm_90a (benchmarks/gluon_report.py); others may have moved the API (warp_specialize's signature did in 3.6).
 SUPPORTED_TRITON = ("3.6", "3.8")
+# Versions on which the kernel has run its GPU tests (the H200 has 3.6). TritonDecode picks the kernel by itself
+# only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON version (3.8, vLLM 0.33's, compiles
+# it but has not run it on a GPU here).
+VERIFIED_TRITON = ("3.6",)
 
 try:  # Gluon is experimental: absent from old Triton, its API moves between releases
     from triton.experimental import gluon
@@ -78,6 +82,11 @@ except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
 
 def _triton_version_supported() -> bool:
     return any(triton.__version__.startswith(v) for v in SUPPORTED_TRITON)
+
+
+def gluon_verified() -> bool:
+    """Whether this Triton version is one the kernel has passed its GPU tests on (VERIFIED_TRITON)."""
+    return any(triton.__version__.startswith(v) for v in VERIFIED_TRITON)
 
 
 def gluon_available(device: torch.device | str | None = None) -> bool:

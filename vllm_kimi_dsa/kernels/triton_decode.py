@@ -619,14 +619,16 @@ class TritonDecode:
         if bad or not setup.widths:
             raise ValueError(f"widths must be non-empty multiples of 128, got {setup.widths}")
         self.config = default_config(setup.heads, self.fmt)
-        # fp8, > 32 heads, on Hopper: the warp-specialized Gluon kernel (gluon_decode.py; 1.1-1.3x this file's
-        # kernel on the H200), unless VLLM_KIMI_DSA_GLUON=0. Everywhere else (the interpreter, other GPUs, other
-        # Triton versions) this file's kernel, which computes the same thing.
+        # fp8, > 32 heads, on Hopper: the warp-specialized Gluon kernel (gluon_decode.py; 1.1-1.25x this file's
+        # kernel on the H200) on the Triton versions it was verified on; VLLM_KIMI_DSA_GLUON=1 asks for it on any
+        # version it compiles with, =0 never. Everywhere else (the interpreter, other GPUs, other Triton versions)
+        # this file's kernel, which computes the same thing.
         self.gluon = None
-        if self.fmt == "fp8" and setup.heads > 32 and os.environ.get("VLLM_KIMI_DSA_GLUON", "1") != "0":
+        want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
+        if self.fmt == "fp8" and setup.heads > 32 and want != "0":
             from vllm_kimi_dsa.kernels import gluon_decode
 
-            if gluon_decode.gluon_available(setup.device):
+            if gluon_decode.gluon_available(setup.device) and (want == "1" or gluon_decode.gluon_verified()):
                 self.gluon = gluon_decode.GluonParams()
                 self.config = self.gluon.config()
                 self._gluon_launch = gluon_decode.launch
