@@ -3,7 +3,8 @@
 Hopper only (wgmma): every test skips, with the reason, where gluon_available() is False (CPU CI, other GPUs,
 Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
 row and an all-holes row, odd row counts, 64 / 96 / 128 heads, widths 128 / 1024 / 2048, one split and several
-(the combine), BLOCK_N 64 and 32, and a CUDA-graph capture / replay.
+(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 1-2, with and without LAZY and PINGPONG (the
+defaults: lazy + pingpong), and a CUDA-graph capture / replay.
 """
 
 from __future__ import annotations
