@@ -80,45 +80,42 @@ except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
     _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
+def _triton_is(versions: tuple[str, ...]) -> bool:
+    return any(triton.__version__.startswith(v) for v in versions)
+
+
 def _triton_version_supported() -> bool:
-    return any(triton.__version__.startswith(v) for v in SUPPORTED_TRITON)
+    return _triton_is(SUPPORTED_TRITON)
 
 
 def gluon_verified() -> bool:
     """Whether this Triton version is one the kernel has passed its GPU tests on (VERIFIED_TRITON)."""
-    return any(triton.__version__.startswith(v) for v in VERIFIED_TRITON)
+    return _triton_is(VERIFIED_TRITON)
 
 
-def gluon_available(device: torch.device | str | None = None) -> bool:
-    """Whether this process can run the Gluon kernel on `device` (default: the current CUDA device): Gluon imports,
-    Triton's version is one this file targets, and the device is a Hopper (sm_90; no wgmma on sm_100+). Never raises."""
-    try:
-        if _GLUON_IMPORT_ERROR is not None or not _triton_version_supported():
-            return False
-        if device is not None and torch.device(device).type != "cuda":
-            return False
-        if not torch.cuda.is_available():
-            return False
-        return torch.cuda.get_device_capability(device)[0] == 9
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def gluon_unavailable_reason() -> str:
-    """Why gluon_available() is False ('' when it is True)."""
+def gluon_unavailable_reason(device: torch.device | str | None = None) -> str:
+    """Why the Gluon kernel cannot run on `device` (default: the current CUDA device); '' when it can: Gluon
+    imports, Triton's version is one this file targets, and the device is a Hopper (sm_90; no wgmma on sm_100+)."""
     if _GLUON_IMPORT_ERROR is not None:
         return f"Gluon does not import: {_GLUON_IMPORT_ERROR}"
     if not _triton_version_supported():
         return f"triton {triton.__version__} is not one of {SUPPORTED_TRITON} (the Gluon API this kernel is written for)"
     try:
+        if device is not None and torch.device(device).type != "cuda":
+            return f"device {device} is not a CUDA device"
         if not torch.cuda.is_available():
             return "no CUDA device"
-        cap = torch.cuda.get_device_capability()
+        cap = torch.cuda.get_device_capability(device)
     except Exception as e:  # noqa: BLE001
         return f"CUDA query failed: {e}"
     if cap[0] != 9:
         return f"device is sm_{cap[0]}{cap[1]}, the kernel needs Hopper (sm_90) wgmma"
     return ""
+
+
+def gluon_available(device: torch.device | str | None = None) -> bool:
+    """Whether this process can run the Gluon kernel on `device` (gluon_unavailable_reason is ''). Never raises."""
+    return gluon_unavailable_reason(device) == ""
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -468,8 +465,9 @@ def gluon_sparse_mla_decode(
     block_n .. pingpong: GluonParams' fields.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
-    if not gluon_available(query.device) or gl is None:
-        raise RuntimeError(f"the Gluon decode kernel cannot run here: {gluon_unavailable_reason()}")
+    reason = gluon_unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
     td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
