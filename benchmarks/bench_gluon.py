@@ -40,9 +40,11 @@ HEADS = 128
 CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
-# name -> (block_n, k_stages, v_stages, lazy, pingpong); "triton" is triton_decode's default config
-GLUON_VARIANTS = {"gluon-bn64-ks2-lz": (64, 2, 1, True, False), "gluon-bn64-ks2-lz-pp": (64, 2, 1, True, True),
-                  "gluon-bn64-ks3-lz-pp": (64, 3, 1, True, True), "gluon-bn32-ks4-vs2-lz-pp": (32, 4, 2, True, True)}
+# name -> (block_n, k_stages, v_stages, lazy, pingpong, cvt_rows); "triton" is triton_decode's default config
+GLUON_VARIANTS = {"gluon-bn64-ks2-lz-pp": (64, 2, 1, True, True, 32),
+                  "gluon-bn64-ks2-lz-pp-cvt16": (64, 2, 1, True, True, 16),
+                  "gluon-bn64-ks3-lz-pp": (64, 3, 1, True, True, 32),
+                  "gluon-bn32-ks4-vs2-lz-pp": (32, 4, 2, True, True, 32)}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
@@ -50,10 +52,10 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    bn, ks, vs, lazy, pp = GLUON_VARIANTS[name]
+    bn, ks, vs, lazy, pp, cvt = GLUON_VARIANTS[name]
     return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                            lse=lse, workspace=ws, splits=splits, block_n=bn, k_stages=ks,
-                                           v_stages=vs, lazy=lazy, pingpong=pp)
+                                           v_stages=vs, lazy=lazy, pingpong=pp, cvt_rows=cvt)
 
 
 def _config(name: str) -> td.Config:

@@ -113,9 +113,11 @@ def analyze(kernel) -> dict[str, object]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each config's SASS, PTX and TTGIR here")
+    p.add_argument("--config", action="append", default=[],
+                   help="a config as BN,KS,VS,LZ,PP,CVT,RC,RP (repeatable; default: the built-in list)")
     a = p.parse_args()
     print(f"triton {triton.__version__}, target sm_90a, gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
-    for cfg in CONFIGS:
+    for cfg in [tuple(int(v) for v in c.split(",")) for c in a.config] or CONFIGS:
         name = "BN{}-KS{}-VS{}-LZ{}-PP{}-CVT{}-R{}/{}".format(*cfg)
         try:
             k = compile_gluon(*cfg)

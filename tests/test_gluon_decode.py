@@ -45,6 +45,7 @@ class Case:
     v_stages: int = 1
     lazy: bool = False
     pingpong: bool = False
+    cvt_rows: int = 32
 
 
 CASES = [
@@ -70,6 +71,9 @@ CASES = [
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True, pingpong=True),
     Case(320, 128, 2048, lazy=True, pingpong=True),
+    Case(7, 96, 1024, splits=1, cvt_rows=8),
+    Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, cvt_rows=16),
+    Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True, pingpong=True, cvt_rows=16),
 ]
 
 
@@ -110,13 +114,14 @@ def _poisoned(rows: int, heads: int):
     return out, lse
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_stages}-lz{int(c.lazy)}-pp{int(c.pingpong)}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_stages}-lz{int(c.lazy)}-pp{int(c.pingpong)}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)
     gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                             splits=case.splits, block_n=case.block_n, k_stages=case.k_stages,
-                            v_stages=case.v_stages, lazy=case.lazy, pingpong=case.pingpong)
+                            v_stages=case.v_stages, lazy=case.lazy, pingpong=case.pingpong,
+                            cvt_rows=case.cvt_rows)
     torch.cuda.synchronize()
     _check(out, lse, q, kv, slots, counts, ss, os_)
 

@@ -35,6 +35,10 @@ def test_gluon_params_reject_bad_shapes() -> None:
         GluonParams(block_n=64, k_stages=3, v_stages=2)  # 36 + 108 + 128 KB > 227 KB
     with pytest.raises(ValueError, match="k_stages"):
         GluonParams(k_stages=1)
+    with pytest.raises(ValueError, match="cvt_rows"):
+        GluonParams(cvt_rows=24)
+    with pytest.raises(ValueError, match="cvt_rows"):
+        GluonParams(block_n=32, cvt_rows=64)
 
 
 def test_gluon_never_on_cpu() -> None:

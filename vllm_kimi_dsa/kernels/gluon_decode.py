@@ -47,7 +47,7 @@ DEFAULT_K_STAGES = 2
 DEFAULT_V_STAGES = 1
 DEFAULT_LAZY = True
 DEFAULT_PINGPONG = True
-DEFAULT_CVT_ROWS = 16
+DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a WAW barrier (Triton's membar)
 # Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups
 # gives each worker what it requests and the default partition (consumer WG0) 504 - the two requests, so the
 # producer's small share goes to the consumers (224 + 224 + 56 = 504).
@@ -246,37 +246,36 @@ if gl is not None:
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
         """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16."""
-        # 16-byte chunks: a warp covers one 512-byte latent row, or eight 64-byte RoPE rows
-        lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        # conversion: a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores)
-        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+        # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each
+        # gathered row, and 32 distinct 16-byte bank groups in the 128-byte-swizzled ring (a warp on one 512-byte
+        # row hit the same banks four times: ncu, NOTES v6). A thread then needs 2 slots a tile, not 16.
+        row_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        # conversion: a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores); lanes 8 rows x 4
+        # as above, so the swizzled V16 stores are conflict-free too; the warps tile CVT_ROWS x 256 exactly
+        CVT_WR: gl.constexpr = CVT_ROWS // 8
+        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [CVT_WR, 4 // CVT_WR], [1, 0])
 
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, lat_layout))
-        offs_rope = gl.arange(0, 64, gl.SliceLayout(0, rope_layout))
+        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, row_layout))
+        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
+        tok = gl.arange(0, BLOCK_N, gl.SliceLayout(1, row_layout))
+        # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
+        slot = gl.load(s_base + start + tok, mask=start + tok < end, other=-1)
         for it in range(num_tiles + 1):
             if it < num_tiles:
                 stage = it % K_STAGES
-                n0 = start + it * BLOCK_N
-                offs_n = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, lat_layout))
-                slot = gl.load(s_base + offs_n, mask=offs_n < end, other=-1)
-                valid = slot >= 0
-                row_base = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * stride_kv
+                valid = gl.expand_dims(slot >= 0, 1)
+                row_base = gl.expand_dims(kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * stride_kv, 1)
                 # the stage is free once both consumers' Q.K and our conversion of tile it - K_STAGES are done
                 mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
                 async_copy.async_copy_global_to_shared(
-                    k_lat_s.index(stage), gl.expand_dims(row_base, 1) + gl.expand_dims(offs_lat, 0),
-                    mask=gl.expand_dims(valid, 1))
-                offs_nr = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rope_layout))
-                slot_r = gl.load(s_base + offs_nr, mask=offs_nr < end, other=-1)
-                valid_r = slot_r >= 0
-                rope_base = kv_ptr + gl.where(valid_r, slot_r, 0).to(gl.int64) * stride_kv + 512
+                    k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
                 async_copy.async_copy_global_to_shared(
-                    k_rope_s.index(stage), gl.expand_dims(rope_base, 1) + gl.expand_dims(offs_rope, 0),
-                    mask=gl.expand_dims(valid_r, 1))
+                    k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
                 # every producer thread arrives (count 128) once its copies have landed
                 async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+                offs_next = start + (it + 1) * BLOCK_N + tok
+                slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
             if it > 0:
                 j = it - 1
                 cstage = j % K_STAGES
@@ -395,10 +394,13 @@ class GluonParams:
     v_stages: int = DEFAULT_V_STAGES  # fp16 V ring depth
     lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
+    cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
+        if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
+            raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_stages * self.block_n * LATENT_DIM * 2
         if self.k_stages < 2 or self.v_stages < 1 or smem > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_stages >= 1 must fit 227 KB of shared memory, got "
@@ -427,7 +429,7 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
         BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
-        PINGPONG=params.pingpong, CVT_ROWS=DEFAULT_CVT_ROWS,
+        PINGPONG=params.pingpong, CVT_ROWS=params.cvt_rows,
         CONSUMER_REGS=DEFAULT_CONSUMER_REGS, PRODUCER_REGS=DEFAULT_PRODUCER_REGS,
         num_warps=4,  # the default partition (consumer WG0); the workers add 8 warps: 12 in all
     )
@@ -452,6 +454,7 @@ def gluon_sparse_mla_decode(
     v_stages: int = DEFAULT_V_STAGES,
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
+    cvt_rows: int = DEFAULT_CVT_ROWS,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -462,7 +465,7 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. pingpong: GluonParams' fields.
+    block_n .. cvt_rows: GluonParams' fields.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
     reason = gluon_unavailable_reason(query.device)
@@ -472,7 +475,7 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong)
+    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, cvt_rows)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
