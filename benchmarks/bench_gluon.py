@@ -12,6 +12,7 @@ $OUT/gluon_bench.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
+    GluonParams,
     gluon_available,
     gluon_config,
     gluon_sparse_mla_decode,
@@ -40,11 +42,13 @@ HEADS = 128
 CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
-# name -> (block_n, k_stages, v_stages, lazy, pingpong, cvt_rows); "triton" is triton_decode's default config
+# name -> GluonParams fields (block_n, k_stages, v_stages, lazy, pingpong, cvt_rows[, consumer_regs, producer_regs]);
+# "triton" is triton_decode's default config
 GLUON_VARIANTS = {"gluon-bn64-ks2-lz-pp": (64, 2, 1, True, True, 32),
                   "gluon-bn64-ks2-lz-pp-cvt16": (64, 2, 1, True, True, 16),
-                  "gluon-bn64-ks3-lz-pp": (64, 3, 1, True, True, 32),
-                  "gluon-bn32-ks4-vs2-lz-pp": (32, 4, 2, True, True, 32)}
+                  "gluon-bn64-ks2-lz-pp-r232": (64, 2, 1, True, True, 32, 232, 40),
+                  "gluon-bn64-ks2-lz": (64, 2, 1, True, False, 32),
+                  "gluon-bn64-ks2-pp": (64, 2, 1, False, True, 32)}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
@@ -52,10 +56,9 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    bn, ks, vs, lazy, pp, cvt = GLUON_VARIANTS[name]
+    params = GluonParams(*GLUON_VARIANTS[name])
     return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
-                                           lse=lse, workspace=ws, splits=splits, block_n=bn, k_stages=ks,
-                                           v_stages=vs, lazy=lazy, pingpong=pp, cvt_rows=cvt)
+                                           lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
 def _config(name: str) -> td.Config:

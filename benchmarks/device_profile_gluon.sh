@@ -12,3 +12,4 @@ echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.txt"
 "$NCU" -i "$OUT/gluon.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_source.csv" 2>&1
 wc -c "$OUT"/*
 grep -E "Duration|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued|Compute \(SM\)|Memory Throughput|DRAM Throughput|Registers|Executed Ipc|Eligible Warps|Active Warps" "$OUT/ncu_gluon.txt" | head -40
+python3 benchmarks/ncu_stalls.py "$OUT/sass_source.csv" --top 30

@@ -39,6 +39,11 @@ def test_gluon_params_reject_bad_shapes() -> None:
         GluonParams(cvt_rows=24)
     with pytest.raises(ValueError, match="cvt_rows"):
         GluonParams(block_n=32, cvt_rows=64)
+    GluonParams(consumer_regs=232, producer_regs=40)
+    with pytest.raises(ValueError, match="producer_regs"):
+        GluonParams(consumer_regs=232, producer_regs=60)
+    with pytest.raises(ValueError, match="producer_regs"):
+        GluonParams(consumer_regs=248, producer_regs=40)  # WG0 would get 216 < 248
 
 
 def test_gluon_never_on_cpu() -> None:

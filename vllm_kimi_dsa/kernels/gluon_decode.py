@@ -395,12 +395,18 @@ class GluonParams:
     lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
+    consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
+    producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
+        regs = (self.consumer_regs, self.producer_regs)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
+            raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
+                             f"504 - both >= consumer_regs, got {regs}")
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_stages * self.block_n * LATENT_DIM * 2
         if self.k_stages < 2 or self.v_stages < 1 or smem > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_stages >= 1 must fit 227 KB of shared memory, got "
@@ -430,7 +436,7 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
         softmax_scale * LOG2E, output_scale,
         BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
         PINGPONG=params.pingpong, CVT_ROWS=params.cvt_rows,
-        CONSUMER_REGS=DEFAULT_CONSUMER_REGS, PRODUCER_REGS=DEFAULT_PRODUCER_REGS,
+        CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs,
         num_warps=4,  # the default partition (consumer WG0); the workers add 8 warps: 12 in all
     )
     td.combine(ws, out, lse_t, splits, output_scale)
@@ -455,6 +461,8 @@ def gluon_sparse_mla_decode(
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
     cvt_rows: int = DEFAULT_CVT_ROWS,
+    consumer_regs: int = DEFAULT_CONSUMER_REGS,
+    producer_regs: int = DEFAULT_PRODUCER_REGS,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -465,7 +473,7 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. cvt_rows: GluonParams' fields.
+    block_n .. producer_regs: GluonParams' fields.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
     reason = gluon_unavailable_reason(query.device)
@@ -475,7 +483,7 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, cvt_rows)
+    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, cvt_rows, consumer_regs, producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
