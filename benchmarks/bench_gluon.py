@@ -42,13 +42,10 @@ HEADS = 128
 CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
-# name -> GluonParams fields (block_n, k_stages, v_stages, lazy, pingpong, cvt_rows[, consumer_regs, producer_regs]);
-# "triton" is triton_decode's default config
-GLUON_VARIANTS = {"gluon-bn64-ks2-lz-pp": (64, 2, 1, True, True, 32),
-                  "gluon-bn64-ks2-lz-pp-cvt16": (64, 2, 1, True, True, 16),
-                  "gluon-bn64-ks2-lz-pp-r232": (64, 2, 1, True, True, 32, 232, 40),
-                  "gluon-bn64-ks2-lz": (64, 2, 1, True, False, 32),
-                  "gluon-bn64-ks2-pp": (64, 2, 1, False, True, 32)}
+# name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
+GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-pv-after-qk": {"pv_first": False}, "gluon-lazy": {"lazy": True},
+                                   "gluon-r232": {"consumer_regs": 232, "producer_regs": 40},
+                                   "gluon-bn32-ks4-vs2": {"block_n": 32, "k_stages": 4, "v_stages": 2}}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
@@ -56,13 +53,13 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    params = GluonParams(*GLUON_VARIANTS[name])
+    params = GluonParams(**GLUON_VARIANTS[name])
     return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
 def _config(name: str) -> td.Config:
-    return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GLUON_VARIANTS[name][0])
+    return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GluonParams(**GLUON_VARIANTS[name]).block_n)
 
 
 def main() -> None:
@@ -112,7 +109,7 @@ def main() -> None:
             rec["regs"] = getattr(h, "n_regs", None)
             rec["spills"] = getattr(h, "n_spills", None)
             rec["smem"] = getattr(getattr(h, "metadata", None), "shared", None)
-            print(f"{name:16s} splits={splits}: rel {rel:.2e} lse {lse_err:.2e} {'ok' if ok else 'BAD'} "
+            print(f"{name:20s} splits={splits}: rel {rel:.2e} lse {lse_err:.2e} {'ok' if ok else 'BAD'} "
                   f"regs {rec['regs']} spills {rec['spills']} smem {rec['smem']}", flush=True)
         if "error" in rec:
             continue
@@ -135,12 +132,12 @@ def main() -> None:
                 continue
             flops = 2 * rows * HEADS * K * 1088
             rec["times"][rows] = dict(us=us, splits=splits, tflops=flops / us / 1e6)
-            print(f"{name:16s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
+            print(f"{name:20s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
     print()
-    print(f"{'kernel':16s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
+    print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
     for name, rec in results.items():
         cells = [f"{rec['times'][r]['us']:10.1f}" if "us" in rec["times"].get(r, {}) else f"{'-':>10s}" for r in rows_list]
-        print(f"{name:16s} " + " ".join(cells))
+        print(f"{name:20s} " + " ".join(cells))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gluon_bench.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,

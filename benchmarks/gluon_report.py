@@ -34,21 +34,22 @@ SIGNATURE = dict(
     stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
-# (BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, CVT_ROWS, CONSUMER_REGS, PRODUCER_REGS)
-CONFIGS = [(64, 2, 1, 1, 0, 16, 224, 56), (64, 2, 1, 1, 1, 16, 224, 56), (64, 3, 1, 1, 1, 16, 224, 56),
-           (32, 4, 2, 1, 1, 16, 224, 56)]
+# GluonParams overrides: the default, then one field changed at a time
+CONFIGS = [{}, {"pv_first": False}, {"lazy": True}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_stages": 2}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
             "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")
 
 
-def compile_gluon(block_n: int, k_stages: int, v_stages: int, lazy: int, pingpong: int, cvt_rows: int, consumer_regs: int, producer_regs: int):
+def compile_gluon(**overrides):
+    """Compile gluon_decode_kernel for sm_90a with GluonParams(**overrides)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from vllm_kimi_dsa.kernels import gluon_decode as g
 
     fn = g.gluon_decode_kernel
-    consts = dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, LAZY=bool(lazy), PINGPONG=bool(pingpong), CVT_ROWS=cvt_rows, CONSUMER_REGS=consumer_regs,
-                  PRODUCER_REGS=producer_regs)
+    base = g.GluonParams()
+    overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
+    consts = g.kernel_constexprs(g.GluonParams(**overrides))
     sig = dict(SIGNATURE)
     sig.update({k: "constexpr" for k in consts})
     # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
@@ -114,13 +115,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each config's SASS, PTX and TTGIR here")
     p.add_argument("--config", action="append", default=[],
-                   help="a config as BN,KS,VS,LZ,PP,CVT,RC,RP (repeatable; default: the built-in list)")
+                   help="GluonParams overrides as field=value,... e.g. lazy=1,cvt_rows=16 (repeatable; default: a list)")
     a = p.parse_args()
     print(f"triton {triton.__version__}, target sm_90a, gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
-    for cfg in [tuple(int(v) for v in c.split(",")) for c in a.config] or CONFIGS:
-        name = "BN{}-KS{}-VS{}-LZ{}-PP{}-CVT{}-R{}/{}".format(*cfg)
+    given = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",") if kv} for c in a.config]
+    for cfg in given or CONFIGS:
+        name = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
         try:
-            k = compile_gluon(*cfg)
+            k = compile_gluon(**cfg)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: COMPILE FAILED: {str(e).splitlines()[-1][:200]}")
             continue

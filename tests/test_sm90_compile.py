@@ -44,10 +44,7 @@ _GLUON_DEFAULT = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import gluon_report
-from vllm_kimi_dsa.kernels import gluon_decode as g
-p = g.GluonParams()
-k = gluon_report.compile_gluon(p.block_n, p.k_stages, p.v_stages, int(p.lazy), int(p.pingpong), g.DEFAULT_CVT_ROWS,
-                               g.DEFAULT_CONSUMER_REGS, g.DEFAULT_PRODUCER_REGS)
+k = gluon_report.compile_gluon()
 s = gluon_report.analyze(k)
 print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores")}
                  | {"kinds": sorted({lp["kind"] for lp in s["loops"]})}))

@@ -45,8 +45,9 @@ BLOCK_H = 64  # heads a CTA (the wgmma M of one warpgroup)
 DEFAULT_BLOCK_N = 64
 DEFAULT_K_STAGES = 2
 DEFAULT_V_STAGES = 1
-DEFAULT_LAZY = True
+DEFAULT_LAZY = False  # lazy's any-head check is a cross-warp reduction a tile: 468 vs 412 µs (NOTES v6)
 DEFAULT_PINGPONG = True
+DEFAULT_PV_FIRST = True
 DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a WAW barrier (Triton's membar)
 # Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups
 # gives each worker what it requests and the default partition (consumer WG0) 504 - the two requests, so the
@@ -133,7 +134,7 @@ if gl is not None:
         stride_s_row, stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-        LAZY: gl.constexpr, PINGPONG: gl.constexpr,
+        LAZY: gl.constexpr, PINGPONG: gl.constexpr, PV_FIRST: gl.constexpr,
     ):
         """One consumer warpgroup: S = Q K^T, online softmax, acc += P V16[:, HALF*256 : HALF*256+256]; epilogue."""
         DH: gl.constexpr = 256  # output columns a consumer
@@ -171,18 +172,33 @@ if gl is not None:
                 # take turns issuing (WG0's tile it, WG1's tile it, WG0's tile it + 1, ...): the tensor core then
                 # runs one consumer's wgmmas while the other does its softmax, instead of both at once
                 mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
-            s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
-            acc_t = warpgroup_mma_init(acc)
             vstage = (it + V_STAGES - 1) % V_STAGES  # tile it - 1's V16 stage
-            if it > 0:
-                mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
-                acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - HALF))
-            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_t))
-            mbarrier.arrive(k_empty.index(stage))
-            mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
+            acc_t = warpgroup_mma_init(acc)
+            if PV_FIRST:
+                # P.V of tile it - 1 first, retired before Q.K of tile it: its V16 half goes back to the producer
+                # one Q.K earlier (with one V16 stage the producer waited on it: ncu, NOTES v6)
+                if it > 0:
+                    mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
+                    acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+                s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF))
+                acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
+                mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(k_empty.index(stage))
+            else:
+                s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
+                if it > 0:
+                    mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
+                    acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF))
+                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_t))
+                mbarrier.arrive(k_empty.index(stage))
+                mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
 
             # online softmax in base 2, as triton_decode._softmax
             s = gl.where(gl.expand_dims(slot >= 0, 0), s * qk_scale, float("-inf"))
@@ -306,6 +322,7 @@ if gl is not None:
         V_STAGES: gl.constexpr,  # fp16 V ring depth (2: the producer converts tile i + 1 while P.V reads tile i)
         LAZY: gl.constexpr,  # rescale the accumulators only when a running max grows by > 2**8
         PINGPONG: gl.constexpr,  # the two consumers take turns issuing their wgmmas
+        PV_FIRST: gl.constexpr,  # issue and retire P.V of tile i - 1 before Q.K of tile i
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
@@ -367,12 +384,12 @@ if gl is not None:
                              slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, start, end, num_tiles, H, num_splits,
                              stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG)),
+                             0, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, PV_FIRST)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
                              slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, start, end, num_tiles, H, num_splits,
                              stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG)),
+                             1, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, PV_FIRST)),
                 (_producer, (k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
                              kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                              BLOCK_N, K_STAGES, V_STAGES, CVT_ROWS)),
@@ -394,6 +411,7 @@ class GluonParams:
     v_stages: int = DEFAULT_V_STAGES  # fp16 V ring depth
     lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
+    pv_first: bool = DEFAULT_PV_FIRST  # P.V of tile i - 1 issued and retired before Q.K of tile i
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
@@ -422,6 +440,13 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
     return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1)
 
 
+def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
+    """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
+    return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
+                PINGPONG=params.pingpong, PV_FIRST=params.pv_first, CVT_ROWS=params.cvt_rows,
+                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
+
+
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: GluonParams) -> Any:
     """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
@@ -434,9 +459,7 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
-        BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
-        PINGPONG=params.pingpong, CVT_ROWS=params.cvt_rows,
-        CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs,
+        **kernel_constexprs(params),
         num_warps=4,  # the default partition (consumer WG0); the workers add 8 warps: 12 in all
     )
     td.combine(ws, out, lse_t, splits, output_scale)
@@ -460,6 +483,7 @@ def gluon_sparse_mla_decode(
     v_stages: int = DEFAULT_V_STAGES,
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
+    pv_first: bool = DEFAULT_PV_FIRST,
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
@@ -483,7 +507,7 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, cvt_rows, consumer_regs, producer_regs)
+    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, pv_first, cvt_rows, consumer_regs, producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
