@@ -3,7 +3,7 @@
 Hopper only (wgmma): every test skips, with the reason, where gluon_available() is False (CPU CI, other GPUs,
 Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
 row and an all-holes row, odd row counts, 64 / 96 / 128 heads, widths 128 / 1024 / 2048, one split and several
-(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 1-2, with and without LAZY, PINGPONG and PV_FIRST
+(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 2-4 half tiles, with and without LAZY, PINGPONG and PV_FIRST
 (GluonParams' defaults: pingpong + pv_first), conversion steps of 8 / 16 / 32 rows, and a CUDA-graph capture /
 replay.
 """
@@ -43,7 +43,7 @@ class Case:
     splits: int | None = None  # None: the heuristic; 1: no combine
     block_n: int = 64
     k_stages: int = 2
-    v_stages: int = 1
+    v_slots: int = 3
     lazy: bool = False
     pingpong: bool = False
     pv_first: bool = True
@@ -64,21 +64,24 @@ CASES = [
     Case(7, 96, 1024, splits=2, block_n=32, k_stages=4),
     Case(7, 128, 2048, splits=1, k_stages=3),
     Case(7, 128, 2048, splits=1, lazy=True),
-    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=3, v_stages=2),
-    Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_stages=2, lazy=True),
-    Case(320, 128, 2048, block_n=32, k_stages=4, v_stages=2, lazy=True),
+    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=3, v_slots=4),
+    Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_slots=4, lazy=True),
+    Case(320, 128, 2048, block_n=32, k_stages=4, v_slots=4, lazy=True),
     Case(5, 128, 2048, splits=1, pingpong=True),
     Case(7, 128, 2048, splits=1, k_stages=3, lazy=True, pingpong=True),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True, pingpong=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True, pingpong=True),
     Case(320, 128, 2048, lazy=True, pingpong=True),
     Case(7, 96, 1024, splits=1, cvt_rows=8),
+    Case(7, 128, 2048, splits=1, pingpong=True, v_slots=2),
+    Case(320, 128, 2048, pingpong=True, v_slots=2),
+    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=3, pingpong=True),
     Case(5, 128, 2048, splits=1, pingpong=True, pv_first=False),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, pv_first=False),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_stages=2, pv_first=False),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, pv_first=False),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, cvt_rows=16),
-    Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_stages=2, lazy=True, pingpong=True, cvt_rows=16),
+    Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True, pingpong=True, cvt_rows=16),
 ]
 
 
@@ -119,13 +122,13 @@ def _poisoned(rows: int, heads: int):
     return out, lse
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_stages}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-cvt{c.cvt_rows}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)
     gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                             splits=case.splits, block_n=case.block_n, k_stages=case.k_stages,
-                            v_stages=case.v_stages, lazy=case.lazy, pingpong=case.pingpong,
+                            v_slots=case.v_slots, lazy=case.lazy, pingpong=case.pingpong,
                             pv_first=case.pv_first, cvt_rows=case.cvt_rows)
     torch.cuda.synchronize()
     _check(out, lse, q, kv, slots, counts, ss, os_)

@@ -32,7 +32,9 @@ def test_gluon_params_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="block_n"):
         GluonParams(block_n=48)
     with pytest.raises(ValueError, match="shared memory"):
-        GluonParams(block_n=64, k_stages=3, v_stages=2)  # 36 + 108 + 128 KB > 227 KB
+        GluonParams(block_n=64, k_stages=3, v_slots=4)  # 36 + 108 + 128 KB > 227 KB
+    with pytest.raises(ValueError, match="v_slots"):
+        GluonParams(v_slots=1)
     with pytest.raises(ValueError, match="k_stages"):
         GluonParams(k_stages=1)
     with pytest.raises(ValueError, match="cvt_rows"):

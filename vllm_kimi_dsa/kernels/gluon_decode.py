@@ -5,24 +5,26 @@ runtime arguments, same split scratch and `_combine_kernel`), but with producer 
 nvfp4 caches, <= 32 heads, or sm_100+ (no wgmma there): `gluon_available()` says whether this process can run it.
 
 Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BLOCK_N x 576 B K ring
-+ V_STAGES x BLOCK_N KB V16, at most 227 KB):
++ V_SLOTS x BLOCK_N / 2 KB V16, at most 227 KB):
 - Before the fork the default warpgroup stores Q (64 heads x 576 e4m3, padded heads 0) into NVMMA-swizzled shared
   memory (latent and RoPE apart) and initializes the mbarriers.
-- WG2, the producer (56 registers via setmaxnreg): per tile it loads the BLOCK_N slots and gathers the 576-byte rows
-  with cp.async (16-byte chunks; rows of holes / tokens past the split are zero-filled, so V is finite) into stage
+- WG2, the producer (56 registers via setmaxnreg): per tile it gathers the 576-byte rows of the BLOCK_N slots (loaded
+  a tile ahead) with cp.async (16-byte chunks, a warp instruction 8 rows x 64 B: conflict-free in the swizzle; rows
+  of holes / tokens past the split are zero-filled, so V is finite) into stage
   it % K_STAGES of the K ring, and has every thread `cp.async.mbarrier.arrive.noinc` on k_ready[stage]. Then it
-  converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring (BLOCK_N x 512 fp16
-  a stage, two column halves with their own barriers), fences for the async proxy and arrives on that half's v_ready.
+  converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring, a half (BLOCK_N x
+  256 fp16, one consumer's columns) at a time: tile i's half h is use u = 2 i + h of slot u % V_SLOTS (3 slots: the
+  producer converts a half ahead of the consumers' P.V), fences for the async proxy and arrives on v_ready[slot].
 - WG0 (default partition) and WG1 (worker), the consumers (224 registers each): both compute the full logits
   S = Q K^T (64 x BLOCK_N; fp8 wgmma from shared memory, K = 512 + 64, no accumulator promotion, as the default
   Triton config) -- redundant, but no S exchange; each owns half of O: acc (64 x 256 fp32) += P . V16[:, half]
-  with P fp16 in registers as the wgmma A operand. Iteration `it` issues Q.K of tile it and P.V of tile it - 1 back
-  to back and retires both before the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it
-  grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
+  with P fp16 in registers as the wgmma A operand. Iteration `it` issues P.V of tile it - 1 and Q.K of tile it back
+  to back (PV_FIRST; the reverse order otherwise), retires P.V first (its V16 slot goes back to the producer), then
+  Q.K, then does the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
   while the other does its softmax.
 - mbarriers: k_ready[s] (count 128: producer threads via cp.async), k_empty[s] (3: both consumers after their Q.K,
-  the producer after reading the stage), v_ready[s, half] (1: the producer), v_empty[s, half] (1: that half's
-  consumer after its P.V), turn[2] (1: the other consumer).
+  the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
+  that use, after its P.V), turn[2] (1: the other consumer).
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
 
 Written against Gluon's 3.6 API (`gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)`); 3.8 compiles
@@ -44,7 +46,7 @@ LOG2E = td.LOG2E
 BLOCK_H = 64  # heads a CTA (the wgmma M of one warpgroup)
 DEFAULT_BLOCK_N = 64
 DEFAULT_K_STAGES = 2
-DEFAULT_V_STAGES = 1
+DEFAULT_V_SLOTS = 3
 DEFAULT_LAZY = False  # lazy's any-head check is a cross-warp reduction a tile: 468 vs 412 µs (NOTES v6)
 DEFAULT_PINGPONG = True
 DEFAULT_PV_FIRST = True
@@ -133,7 +135,7 @@ if gl is not None:
         row, split, hb, start, end, num_tiles, H, num_splits,
         stride_s_row, stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+        HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
         LAZY: gl.constexpr, PINGPONG: gl.constexpr, PV_FIRST: gl.constexpr,
     ):
         """One consumer warpgroup: S = Q K^T, online softmax, acc += P V16[:, HALF*256 : HALF*256+256]; epilogue."""
@@ -172,33 +174,35 @@ if gl is not None:
                 # take turns issuing (WG0's tile it, WG1's tile it, WG0's tile it + 1, ...): the tensor core then
                 # runs one consumer's wgmmas while the other does its softmax, instead of both at once
                 mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
-            vstage = (it + V_STAGES - 1) % V_STAGES  # tile it - 1's V16 stage
+            # tile it - 1's half HALF is V16 use u = 2 (it - 1) + HALF, in slot u % V_SLOTS (a valid index at it = 0)
+            u = 2 * (it - 1) + HALF
+            vslot = (u + 2 * V_SLOTS) % V_SLOTS
             acc_t = warpgroup_mma_init(acc)
             if PV_FIRST:
                 # P.V of tile it - 1 first, retired before Q.K of tile it: its V16 half goes back to the producer
                 # one Q.K earlier (with one V16 stage the producer waited on it: ncu, NOTES v6)
                 if it > 0:
-                    mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
-                    acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+                    mbarrier.wait(v_ready.index(vslot), (u // V_SLOTS) & 1)
+                    acc_t = warpgroup_mma(p16, v16_s.index(vslot), acc, is_async=True)
                 s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF))
                 acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
-                mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
+                mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 mbarrier.arrive(k_empty.index(stage))
             else:
                 s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
                 if it > 0:
-                    mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((it - 1) // V_STAGES) & 1)
-                    acc_t = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+                    mbarrier.wait(v_ready.index(vslot), (u // V_SLOTS) & 1)
+                    acc_t = warpgroup_mma(p16, v16_s.index(vslot), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF))
                 s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_t))
                 mbarrier.arrive(k_empty.index(stage))
-                mbarrier.arrive(v_empty.index(vstage * 2 + HALF), pred=it > 0)
+                mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
 
             # online softmax in base 2, as triton_decode._softmax
             s = gl.where(gl.expand_dims(slot >= 0, 0), s * qk_scale, float("-inf"))
@@ -226,9 +230,9 @@ if gl is not None:
             # P rounds to fp16 as in the Triton kernel; as the wgmma's register A operand it needs no shared memory
             p16 = gl.convert_layout(p.to(gl.float16), p_layout)
         if num_tiles > 0:
-            vstage = (num_tiles - 1) % V_STAGES
-            mbarrier.wait(v_ready.index(vstage * 2 + HALF), ((num_tiles - 1) // V_STAGES) & 1)
-            acc = warpgroup_mma(p16, v16_s.index(vstage * 2 + HALF), acc, is_async=True)
+            u = 2 * (num_tiles - 1) + HALF
+            mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
+            acc = warpgroup_mma(p16, v16_s.index(u % V_SLOTS), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # epilogue, as triton_decode._epilogue (each consumer its 256 columns; WG0 the LSE)
@@ -259,7 +263,7 @@ if gl is not None:
     def _producer(
         k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
         """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16."""
         # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each
@@ -296,17 +300,17 @@ if gl is not None:
                 j = it - 1
                 cstage = j % K_STAGES
                 mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
-                vstage = j % V_STAGES
                 k_cur = k_lat_s.index(cstage)
                 for half in gl.static_range(2):
                     # each half has its own barriers: consumer WG0 need not wait for WG1's P.V to get its half
-                    mbarrier.wait(v_empty.index(vstage * 2 + half), ((j // V_STAGES) & 1) ^ 1)
-                    v_dst = v16_s.index(vstage * 2 + half)
+                    u = 2 * j + half
+                    mbarrier.wait(v_empty.index(u % V_SLOTS), ((u // V_SLOTS) & 1) ^ 1)
+                    v_dst = v16_s.index(u % V_SLOTS)
                     for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
                         x = k_cur.slice(half * 256, 256, dim=1).slice(r0, CVT_ROWS, dim=0).load(cvt_layout)
                         v_dst.slice(r0, CVT_ROWS, dim=0).store(x.to(gl.float16))
                     fence_async_shared()
-                    mbarrier.arrive(v_ready.index(vstage * 2 + half))
+                    mbarrier.arrive(v_ready.index(u % V_SLOTS))
                 mbarrier.arrive(k_empty.index(cstage))
 
     @gluon.jit
@@ -319,7 +323,7 @@ if gl is not None:
         qk_scale, out_scale,
         BLOCK_N: gl.constexpr,  # KV rows a tile
         K_STAGES: gl.constexpr,  # K ring depth
-        V_STAGES: gl.constexpr,  # fp16 V ring depth (2: the producer converts tile i + 1 while P.V reads tile i)
+        V_SLOTS: gl.constexpr,  # fp16 V16 ring of half tiles (BLOCK_N x 256): tile i's half h is use 2 i + h
         LAZY: gl.constexpr,  # rescale the accumulators only when a running max grows by > 2**8
         PINGPONG: gl.constexpr,  # the two consumers take turns issuing their wgmmas
         PV_FIRST: gl.constexpr,  # issue and retire P.V of tile i - 1 before Q.K of tile i
@@ -348,16 +352,16 @@ if gl is not None:
         q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [_BH, 64], q_rope_layout)
         k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], q_lat_layout)
         k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], q_rope_layout)
-        v16_s = gl.allocate_shared_memory(gl.float16, [V_STAGES * 2, BLOCK_N, 256], v16_layout)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, BLOCK_N, 256], v16_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=128)  # cp.async.mbarrier.arrive.noinc from each producer thread
             mbarrier.init(k_empty.index(i), count=3)  # consumer WG0, WG1, the producer's conversion
-        for i in gl.static_range(V_STAGES * 2):  # (stage, half)
+        for i in gl.static_range(V_SLOTS):
             mbarrier.init(v_ready.index(i), count=1)  # the producer
             mbarrier.init(v_empty.index(i), count=1)  # that half's consumer
         for i in gl.static_range(2):
@@ -384,15 +388,15 @@ if gl is not None:
                              slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, start, end, num_tiles, H, num_splits,
                              stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, PV_FIRST)),
+                             0, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
                              slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, start, end, num_tiles, H, num_splits,
                              stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, BLOCK_N, K_STAGES, V_STAGES, LAZY, PINGPONG, PV_FIRST)),
+                             1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
                 (_producer, (k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
                              kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                             BLOCK_N, K_STAGES, V_STAGES, CVT_ROWS)),
+                             BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
             ],
             [4, 4],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -408,7 +412,7 @@ class GluonParams:
 
     block_n: int = DEFAULT_BLOCK_N  # tokens a tile: 64 or 32
     k_stages: int = DEFAULT_K_STAGES  # K ring depth
-    v_stages: int = DEFAULT_V_STAGES  # fp16 V ring depth
+    v_slots: int = DEFAULT_V_SLOTS  # fp16 V16 ring of half tiles (2: one tile; 3: the producer converts a half ahead)
     lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
     pv_first: bool = DEFAULT_PV_FIRST  # P.V of tile i - 1 issued and retired before Q.K of tile i
@@ -425,10 +429,10 @@ class GluonParams:
         if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
             raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
                              f"504 - both >= consumer_regs, got {regs}")
-        smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_stages * self.block_n * LATENT_DIM * 2
-        if self.k_stages < 2 or self.v_stages < 1 or smem > 227 * 1024:
-            raise ValueError(f"k_stages >= 2 and v_stages >= 1 must fit 227 KB of shared memory, got "
-                             f"{self.k_stages}, {self.v_stages} ({smem} B)")
+        smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
+        if self.k_stages < 2 or self.v_slots < 2 or smem > 227 * 1024:
+            raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
+                             f"{self.k_stages}, {self.v_slots} ({smem} B)")
 
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM)."""
@@ -442,7 +446,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
-    return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_STAGES=params.v_stages, LAZY=params.lazy,
+    return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, LAZY=params.lazy,
                 PINGPONG=params.pingpong, PV_FIRST=params.pv_first, CVT_ROWS=params.cvt_rows,
                 CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
@@ -480,7 +484,7 @@ def gluon_sparse_mla_decode(
     splits: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     k_stages: int = DEFAULT_K_STAGES,
-    v_stages: int = DEFAULT_V_STAGES,
+    v_slots: int = DEFAULT_V_SLOTS,
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
     pv_first: bool = DEFAULT_PV_FIRST,
@@ -507,7 +511,7 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_stages, lazy, pingpong, pv_first, cvt_rows, consumer_regs, producer_regs)
+    params = GluonParams(block_n, k_stages, v_slots, lazy, pingpong, pv_first, cvt_rows, consumer_regs, producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
