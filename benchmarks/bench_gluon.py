@@ -44,7 +44,7 @@ SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
 # name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-pv-after-qk": {"pv_first": False}, "gluon-v2": {"v_slots": 2},
-                                   "gluon-r232": {"consumer_regs": 232, "producer_regs": 40},
+                                   "gluon-lazy": {"lazy": True},
                                    "gluon-bn32-ks4-vs2": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
 
 

@@ -22,7 +22,8 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
   to back (PV_FIRST; the reverse order otherwise), retires P.V first (its V16 slot goes back to the producer), then
   Q.K, then does the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
   while the other does its softmax.
-- mbarriers: k_ready[s] (count 128: producer threads via cp.async), k_empty[s] (3: both consumers after their Q.K,
+- mbarriers: k_ready[s] (count 129: producer threads via cp.async + one arrive publishing the stage's 0 / -inf
+  token bias, which the consumers add to S instead of loading the slots), k_empty[s] (3: both consumers after their Q.K,
   the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
   that use, after its P.V), turn[2] (1: the other consumer).
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
@@ -129,11 +130,11 @@ if gl is not None:
 
     @gluon.jit
     def _consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s,
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s,
         k_ready, k_empty, v_ready, v_empty, turn,
-        slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, hb, start, end, num_tiles, H, num_splits,
-        stride_s_row, stride_o_row, stride_o_head, stride_lse_row,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, hb, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
         LAZY: gl.constexpr, PINGPONG: gl.constexpr, PV_FIRST: gl.constexpr,
@@ -147,7 +148,6 @@ if gl is not None:
         head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         m_i = gl.full([_BH], float("-inf"), gl.float32, head_s_layout)
         l_i = gl.full([_BH], 0.0, gl.float32, head_s_layout)
         acc = gl.zeros([_BH, DH], gl.float32, o_layout)
@@ -160,12 +160,9 @@ if gl is not None:
         # all wgmmas if an accumulator stays in flight across the loop's back edge.
         for it in range(num_tiles):
             stage = it % K_STAGES
-            n0 = start + it * BLOCK_N
-            offs_n = n0 + gl.arange(0, BLOCK_N, tok_layout)
-            # the same slots the producer gathered; issued before the wait so the load hides behind it
-            slot = gl.load(s_base + offs_n, mask=offs_n < end, other=-1)
-
             mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+            # the producer's 0 / -inf a token (holes, past the split); read before k_empty frees the stage
+            bias = bias_s.index(stage).load(tok_layout)
             # cp.async wrote the stage through the generic proxy; wgmma reads through the async proxy
             fence_async_shared()
             # fp8 x fp8 with no accumulator promotion (max_num_imprecise_acc None -> sm_90's 2**30 default), as the
@@ -205,7 +202,7 @@ if gl is not None:
                 mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
 
             # online softmax in base 2, as triton_decode._softmax
-            s = gl.where(gl.expand_dims(slot >= 0, 0), s * qk_scale, float("-inf"))
+            s = s * qk_scale + gl.expand_dims(bias, 0)
             m_tile = gl.max(s, axis=1)
             if LAZY:
                 # keep a stale max until some head's grows by > 2**8 (P <= 256 stays exact enough in fp16): the
@@ -261,7 +258,7 @@ if gl is not None:
 
     @gluon.jit
     def _producer(
-        k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
+        k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
@@ -292,8 +289,12 @@ if gl is not None:
                     k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
                 async_copy.async_copy_global_to_shared(
                     k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
-                # every producer thread arrives (count 128) once its copies have landed
+                # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
+                bias_s.index(stage).store(gl.where(slot >= 0, 0.0, float("-inf")))
+                # every producer thread arrives (count 128) once its copies have landed; one more, ordinary
+                # arrive (release: after the partition's barrier) publishes the bias store
                 async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+                mbarrier.arrive(k_ready.index(stage))
                 offs_next = start + (it + 1) * BLOCK_N + tok
                 slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
             if it > 0:
@@ -353,13 +354,15 @@ if gl is not None:
         k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], q_lat_layout)
         k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], q_rope_layout)
         v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, BLOCK_N, 256], v16_layout)
+        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(K_STAGES):
-            mbarrier.init(k_ready.index(i), count=128)  # cp.async.mbarrier.arrive.noinc from each producer thread
+            # cp.async.mbarrier.arrive.noinc from each producer thread + the producer's arrive after the bias store
+            mbarrier.init(k_ready.index(i), count=129)
             mbarrier.init(k_empty.index(i), count=3)  # consumer WG0, WG1, the producer's conversion
         for i in gl.static_range(V_SLOTS):
             mbarrier.init(v_ready.index(i), count=1)  # the producer
@@ -384,17 +387,17 @@ if gl is not None:
 
         gl.warp_specialize(
             [
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
-                             slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, start, end, num_tiles, H, num_splits,
-                             stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              0, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty, turn,
-                             slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, start, end, num_tiles, H, num_splits,
-                             stride_s_row, stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                (_producer, (k_lat_s, k_rope_s, v16_s, k_ready, k_empty, v_ready, v_empty,
+                (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                              kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                              BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
             ],
