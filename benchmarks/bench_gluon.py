@@ -132,6 +132,11 @@ def main() -> None:
                 continue
             flops = 2 * rows * HEADS * K * 1088
             rec["times"][rows] = dict(us=us, splits=splits, tflops=flops / us / 1e6)
+            if name == "gluon" and splits > 1:
+                # the split combine alone (its share of the small-batch time): rows x H x splits fp32 partials
+                rec["times"][rows]["combine_us"] = cuda_graph_time_us(
+                    [lambda i=i: td.combine(ws, outs[i], lses[i], splits, OSCALE) for i in range(sets)])
+                print(f"{'':20s} the combine alone: {rec['times'][rows]['combine_us']:.1f} us", flush=True)
             print(f"{name:20s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
     print()
     print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
