@@ -1,10 +1,10 @@
 """GPU tests of the warp-specialized Gluon decode (kernels/gluon_decode.py) against reference_decode.
 
-Hopper only (wgmma): every test skips, with the reason, where gluon_available() is False (CPU CI, other GPUs,
-Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
+Hopper only (wgmma): every test but the check that each case is a valid GluonParams skips, with the reason, where
+gluon_available() is False (CPU CI, other GPUs, Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
 row and an all-holes row, odd row counts, 64 / 96 / 128 heads, widths 128 / 1024 / 2048, one split and several
-(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 2-4 half tiles, with and without LAZY, PINGPONG and PV_FIRST
-(GluonParams' defaults: pingpong + pv_first), conversion steps of 8 / 16 / 32 rows, and a CUDA-graph capture /
+(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 2-4 half tiles, with and without LAZY, PINGPONG and
+PV_FIRST (GluonParams' defaults: pingpong + pv_first), conversion steps of 8 / 16 / 32 rows, and a CUDA-graph capture /
 replay.
 """
 
@@ -19,6 +19,7 @@ import torch
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import (
+    GluonParams,
     gluon_available,
     gluon_config,
     gluon_sparse_mla_decode,
@@ -27,7 +28,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import (
 from vllm_kimi_dsa.reference import reference_decode
 from test_triton_decode import _check as triton_check
 
-pytestmark = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -62,14 +63,14 @@ CASES = [
     Case(320, 128, 2048, splits=1),
     Case(5, 128, 2048, splits=1, block_n=32, k_stages=4),
     Case(7, 96, 1024, splits=2, block_n=32, k_stages=4),
-    Case(7, 128, 2048, splits=1, k_stages=3),
+    Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2),
     Case(7, 128, 2048, splits=1, lazy=True),
     Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=3, v_slots=4),
     Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_slots=4, lazy=True),
     Case(320, 128, 2048, block_n=32, k_stages=4, v_slots=4, lazy=True),
     Case(5, 128, 2048, splits=1, pingpong=True),
-    Case(7, 128, 2048, splits=1, k_stages=3, lazy=True, pingpong=True),
+    Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2, lazy=True, pingpong=True),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True, pingpong=True),
     Case(320, 128, 2048, lazy=True, pingpong=True),
@@ -122,6 +123,7 @@ def _poisoned(rows: int, heads: int):
     return out, lse
 
 
+@GPU
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
@@ -134,6 +136,7 @@ def test_matches_reference(case: Case) -> None:
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
+@GPU
 def test_without_lse() -> None:
     """lse=None: the kernel writes the workspace's dummy LSE; out must still match."""
     q, kv, slots, counts, ss, os_ = _case(5, 128, 1024, seed=3)
@@ -144,6 +147,7 @@ def test_without_lse() -> None:
     _check(out, ref_lse, q, kv, slots, counts, ss, os_)
 
 
+@GPU
 def test_agrees_with_triton_kernel() -> None:
     """Same inputs through the plain-Triton 64-head kernel: the two differ by no more than their own errors allow."""
     q, kv, slots, counts, ss, os_ = _case(20, 128, 2048, seed=11)
@@ -162,6 +166,7 @@ def test_agrees_with_triton_kernel() -> None:
     assert between <= err_g + err_t + 1e-4, f"kernels differ by {between:.2e} (errors {err_g:.2e}, {err_t:.2e})"
 
 
+@GPU
 @pytest.mark.parametrize("splits", [1, 4])
 def test_cuda_graph_replay(splits: int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
@@ -196,8 +201,16 @@ def test_cuda_graph_replay(splits: int) -> None:
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
+@GPU
 def test_rejects_few_heads() -> None:
     q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
     out, lse = _poisoned(3, 32)
     with pytest.raises(ValueError, match="heads"):
         gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}")
+def test_cases_are_valid_params(case: Case) -> None:
+    """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU (it did once)."""
+    GluonParams(block_n=case.block_n, k_stages=case.k_stages, v_slots=case.v_slots, lazy=case.lazy,
+                pingpong=case.pingpong, pv_first=case.pv_first, cvt_rows=case.cvt_rows)
