@@ -58,6 +58,21 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
+def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
+    """µs per call of kernel `name` at `rows` rows and `splits` splits, in a CUDA graph over rotated inputs."""
+    sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
+    qs = [(torch.randn(rows, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+    ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
+    cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+    outs = [torch.empty((rows, HEADS, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+    lses = [torch.empty((rows, HEADS), device=dev) for _ in range(sets)]
+    need = rows * splits * HEADS  # scratch for exactly these splits (make_workspace sizes for choose_splits' picks)
+    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
+                      dummy_lse=torch.empty(rows * HEADS, device=dev), capacity=need, max_rows=rows, heads=HEADS)
+    us = cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits) for i in range(sets)])
+    return us, ws, outs, lses, sets
+
+
 def _config(name: str) -> td.Config:
     return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GluonParams(**GLUON_VARIANTS[name]).block_n)
 
@@ -66,6 +81,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="5,20,80,320")
+    p.add_argument("--splits", default="",
+                   help="also probe the default Gluon kernel at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -115,17 +132,9 @@ def main() -> None:
             continue
         cfg = _config(name)
         for rows in rows_list:
-            sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
-            qs = [(torch.randn(rows, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
-            ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
-            cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
-            outs = [torch.empty((rows, HEADS, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-            lses = [torch.empty((rows, HEADS), device=dev) for _ in range(sets)]
             splits = td.choose_splits(rows, HEADS, K, cfg, sms)
-            ws = td.make_workspace(dev, heads=HEADS, max_rows=rows, widths=(K,), fmt="fp8", config=cfg)
             try:
-                us = cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits)
-                                         for i in range(sets)])
+                us, ws, outs, lses, sets = _time(name, rows, splits, kv, cfg, dev, g)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} rows={rows} timing FAILED: {e}", flush=True)
                 rec["times"][rows] = dict(error=str(e))
@@ -138,9 +147,21 @@ def main() -> None:
                     [lambda i=i: td.combine(ws, outs[i], lses[i], splits, OSCALE) for i in range(sets)])
                 print(f"{'':20s} the combine alone: {rec['times'][rows]['combine_us']:.1f} us", flush=True)
             print(f"{name:20s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
+    probe = []
+    for item in filter(None, a.splits.split(";")):
+        rows_s, counts_s = item.split(":")
+        picked = td.choose_splits(int(rows_s), HEADS, K, _config("gluon"), sms)
+        for sp in (int(c) for c in counts_s.split(",")):
+            us = _time("gluon", int(rows_s), sp, kv, _config("gluon"), dev, g)[0]
+            probe.append(dict(rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
+            print(f"splits probe: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (choose_splits picks {picked})",
+                  flush=True)
+    results.setdefault("gluon", {})["splits_probe"] = probe
     print()
     print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
     for name, rec in results.items():
+        if "times" not in rec:
+            continue
         cells = [f"{rec['times'][r]['us']:10.1f}" if "us" in rec["times"].get(r, {}) else f"{'-':>10s}" for r in rows_list]
         print(f"{name:20s} " + " ".join(cells))
     Path(a.out).mkdir(parents=True, exist_ok=True)
