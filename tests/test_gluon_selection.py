@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_verified
-from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, default_config
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
+from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
@@ -75,3 +75,13 @@ def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
     assert (TritonDecode(_setup("fp8", 128)).gluon is not None) == HOPPER
+
+
+def test_gluon_split_picks_match_the_h200_probe() -> None:
+    """choose_splits with gluon_config picks the split count the H200 measured fastest (bench_gluon --splits,
+    results/h200-2026-12-03/gluon-v7/splits_probe): 11 at 5 rows, 3 at 20, 2-3 at 80 (4 was 8% slower), 1 at 320;
+    the plain Triton kernel's configs do not carry the partial-traffic term."""
+    cfg = gluon_config()
+    picks = {rows: choose_splits(rows, 128, 2048, cfg, 132) for rows in (5, 20, 80, 320)}
+    assert picks[5] == 11 and picks[20] == 3 and picks[80] in (2, 3) and picks[320] == 1, picks
+    assert default_config(128, "fp8").split_tiles == 0.0

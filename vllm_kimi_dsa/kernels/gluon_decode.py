@@ -51,6 +51,11 @@ DEFAULT_V_SLOTS = 3
 DEFAULT_LAZY = False  # lazy's any-head check is a cross-warp reduction a tile: 468 vs 412 µs (NOTES v6)
 DEFAULT_PINGPONG = True
 DEFAULT_PV_FIRST = True
+# A split CTA's 64 x 512 fp32 partial is 128 KB written and read back by the combine: at the H200's bandwidth
+# share of an SM about 3.8 tiles of this kernel (~2.6 µs a 64-token tile). Fitted to bench_gluon --splits on
+# the H200 (results/h200-2026-12-03/gluon-v7/splits_probe): at 80 rows 2-3 splits take 146 µs, the 4 picked
+# without this term 158; the picks at 5, 20 and 320 rows (the fastest probed) stay.
+SPLIT_TILES = 3.8
 DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a WAW barrier (Triton's membar)
 # Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups
 # gives each worker what it requests and the default partition (consumer WG0) 504 - the two requests, so the
@@ -444,7 +449,8 @@ class GluonParams:
 
 def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
     """The triton_decode.Config the split heuristic and the workspace see for this kernel (64-head tiles, 1 CTA/SM)."""
-    return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1)
+    return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1,
+                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N)
 
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:

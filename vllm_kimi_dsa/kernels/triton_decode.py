@@ -40,6 +40,7 @@ class Config:
     lazy: bool = False  # rescale the accumulator only when the running max grows by > 2**8
     swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
     ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
+    split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's fp32 partial costs (its write + the combine's read)
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
@@ -77,7 +78,7 @@ def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> i
         per = triton.cdiv(tiles, splits)
         used = triton.cdiv(tiles, per)  # splits that get work
         waves = triton.cdiv(rows * head_blocks * used, slots_per_wave)
-        cost = waves * (per + overhead) + (0.0 if used == 1 else 0.5)
+        cost = waves * (per + overhead + (0.0 if used == 1 else cfg.split_tiles)) + (0.0 if used == 1 else 0.5)
         if cost < best_cost - 1e-9:
             best, best_cost = used, cost
     return best
