@@ -79,7 +79,7 @@ def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
 
 def test_gluon_split_picks_match_the_h200_probe() -> None:
     """choose_splits with gluon_config picks the split count the H200 measured fastest (bench_gluon --splits,
-    results/h200-2026-12-03/gluon-v7/splits_probe): 11 at 5 rows, 3 at 20, 2-3 at 80 (4 was 8% slower), 1 at 320;
+    results/h200-2026-12-03/gluon-v7/splits_probe.json): 11 at 5 rows, 3 at 20, 2-3 at 80 (4 was 8% slower), 1 at 320;
     the plain Triton kernel's configs do not carry the partial-traffic term."""
     cfg = gluon_config()
     picks = {rows: choose_splits(rows, 128, 2048, cfg, 132) for rows in (5, 20, 80, 320)}
