@@ -45,7 +45,8 @@ OSCALE = 0.125
 # name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-pv-after-qk": {"pv_first": False}, "gluon-v2": {"v_slots": 2},
                                    "gluon-lazy": {"lazy": True},
-                                   "gluon-bn32-ks4-vs2": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
+                                   "gluon-bn32-ks4-vs2": {"block_n": 32, "k_stages": 4, "v_slots": 4},
+                                   "gluon-qk-split": {"qk_split": True}}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):

@@ -48,6 +48,7 @@ class Case:
     lazy: bool = False
     pingpong: bool = False
     pv_first: bool = True
+    qk_split: bool = False
     cvt_rows: int = 32
 
 
@@ -78,6 +79,14 @@ CASES = [
     Case(7, 128, 2048, splits=1, pingpong=True, v_slots=2),
     Case(320, 128, 2048, pingpong=True, v_slots=2),
     Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=3, pingpong=True),
+    # qk_split (compiled for sm_90a in CI; written after the last GPU run: these are its first GPU checks)
+    Case(1, 128, 2048, splits=1, qk_split=True),
+    Case(5, 128, 2048, splits=1, qk_split=True),
+    Case(7, 64, 128, splits=1, qk_split=True),
+    Case(19, 128, 2048, splits=2, qk_split=True),
+    Case(33, 96, 1024, splits=1, v_slots=2, qk_split=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, qk_split=True),
+    Case(320, 128, 2048, qk_split=True),
     Case(5, 128, 2048, splits=1, pingpong=True, pv_first=False),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, pv_first=False),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, pv_first=False),
@@ -124,14 +133,14 @@ def _poisoned(rows: int, heads: int):
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-cvt{c.cvt_rows}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-qks{int(c.qk_split)}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)
     gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                             splits=case.splits, block_n=case.block_n, k_stages=case.k_stages,
                             v_slots=case.v_slots, lazy=case.lazy, pingpong=case.pingpong,
-                            pv_first=case.pv_first, cvt_rows=case.cvt_rows)
+                            pv_first=case.pv_first, qk_split=case.qk_split, cvt_rows=case.cvt_rows)
     torch.cuda.synchronize()
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
@@ -213,4 +222,4 @@ def test_rejects_few_heads() -> None:
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU (it did once)."""
     GluonParams(block_n=case.block_n, k_stages=case.k_stages, v_slots=case.v_slots, lazy=case.lazy,
-                pingpong=case.pingpong, pv_first=case.pv_first, cvt_rows=case.cvt_rows)
+                pingpong=case.pingpong, pv_first=case.pv_first, qk_split=case.qk_split, cvt_rows=case.cvt_rows)

@@ -40,11 +40,11 @@ def test_triton_kernel_default_configs_compile_for_sm90() -> None:
     assert "QGMMA=" in rows["fp8-H128"], "the 64-head fp8 tile must run Q.K on fp8 wgmma"
 
 
-_GLUON_DEFAULT = """
+_GLUON_COMPILE = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import gluon_report
-k = gluon_report.compile_gluon()
+k = gluon_report.compile_gluon(**json.loads(sys.argv[1]))
 s = gluon_report.analyze(k)
 print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores")}
                  | {"kinds": sorted({lp["kind"] for lp in s["loops"]})}))
@@ -53,11 +53,13 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 
 @pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-def test_gluon_kernel_default_compiles_for_sm90a() -> None:
-    """In a process of its own too: Triton's own `tl` helpers that Gluon calls (gl.max, ...) are interpreted
-    functions once the tests set TRITON_INTERPRET, and Gluon cannot compile those."""
-    r = subprocess.run([sys.executable, "-c", _GLUON_DEFAULT], capture_output=True, text=True, env=_compile_env(),
-                       cwd=ROOT, timeout=600)
+@pytest.mark.parametrize("overrides", [{}, {"qk_split": True}], ids=["default", "qk_split"])
+def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
+    """The default and the not-yet-GPU-run qk_split variant. In a process of its own too: Triton's own `tl`
+    helpers that Gluon calls (gl.max, ...) are interpreted functions once the tests set TRITON_INTERPRET, and
+    Gluon cannot compile those."""
+    r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, json.dumps(overrides)], capture_output=True,
+                       text=True, env=_compile_env(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert not s["wgmma_serialized"], "ptxas serialized the wgmmas (C7514)"

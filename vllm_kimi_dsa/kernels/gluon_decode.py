@@ -22,6 +22,10 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
   to back (PV_FIRST; the reverse order otherwise), retires P.V first (its V16 slot goes back to the producer), then
   Q.K, then does the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
   while the other does its softmax.
+- QK_SPLIT (GluonParams.qk_split, off by default: compiled for sm_90a, not yet run on a GPU): each consumer
+  computes S for its BLOCK_N / 2 tokens only, the two exchange row maxima (x_s, x_ready) and P halves (p_s,
+  p_ready) through shared memory, and each P.V reads all of P from shared memory: half the Q.K tensor work and
+  Q/K shared-memory reads, half the softmax; the consumers move in step (no PINGPONG).
 - mbarriers: k_ready[s] (count 129: producer threads via cp.async + one arrive publishing the stage's 0 / -inf
   token bias, which the consumers add to S instead of loading the slots), k_empty[s] (3: both consumers after their Q.K,
   the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
@@ -134,6 +138,18 @@ if gl is not None:
     _D = gl.constexpr(LATENT_DIM)
 
     @gluon.jit
+    def _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout: gl.constexpr):
+        """One tile of the online softmax in base 2 (as triton_decode._softmax) given the tile's row maxima:
+        (P, new running max, new running sum, the rescaled accumulator)."""
+        m_new = gl.maximum(m_i, m_tile)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 1)
+        return p, m_new, l_i, acc
+
+    @gluon.jit
     def _consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s,
         k_ready, k_empty, v_ready, v_empty, turn,
@@ -222,13 +238,7 @@ if gl is not None:
                 p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
                 l_i = l_i + gl.sum(p, axis=1)
             else:
-                m_new = gl.maximum(m_i, m_tile)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - gl.expand_dims(m_use, 1))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 1)
+                p, m_i, l_i, acc = _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout)
             # P rounds to fp16 as in the Triton kernel; as the wgmma's register A operand it needs no shared memory
             p16 = gl.convert_layout(p.to(gl.float16), p_layout)
         if num_tiles > 0:
@@ -237,7 +247,105 @@ if gl is not None:
             acc = warpgroup_mma(p16, v16_s.index(u % V_SLOTS), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        # epilogue, as triton_decode._epilogue (each consumer its 256 columns; WG0 the LSE)
+        _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
+                      stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
+
+    @gluon.jit
+    def _consumer_split(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
+        k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, hb, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
+    ):
+        """QK_SPLIT consumer: S = Q K^T for this warpgroup's BLOCK_N / 2 tokens only (no redundant Q.K); the row
+        maxima go through x_s (x_ready: count 1, the other consumer waits) so both scale by the same max, and the
+        P halves through p_s (p_ready: count 2), so each consumer's acc (64 x 256) += P V16[:, HALF*256 ...] sees
+        all BLOCK_N tokens. l_i is this consumer's tokens' share until the end, where the two shares are summed.
+        P.V of tile it - 1 is issued and retired first, as PV_FIRST. Same V16, K ring, bias and epilogue."""
+        DH: gl.constexpr = 256
+        NH: gl.constexpr = BLOCK_N // 2  # tokens a consumer
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+        tok_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        m_i = gl.full([_BH], float("-inf"), gl.float32, head_s_layout)
+        l_i = gl.full([_BH], 0.0, gl.float32, head_s_layout)
+        acc = gl.zeros([_BH, DH], gl.float32, o_layout)
+        s_zero = gl.zeros([_BH, NH], gl.float32, s_layout)
+        for it in range(num_tiles):
+            stage = it % K_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+            bias = bias_s.index(stage).slice(HALF * NH, NH).load(tok_layout)
+            fence_async_shared()
+            u = 2 * (it - 1) + HALF
+            vslot = (u + 2 * V_SLOTS) % V_SLOTS
+            pb = (it + 1) % 2  # tile it - 1's P buffer
+            acc_t = warpgroup_mma_init(acc)
+            if it > 0:
+                mbarrier.wait(v_ready.index(vslot), (u // V_SLOTS) & 1)
+                mbarrier.wait(p_ready.index(pb), ((it - 1) // 2) & 1)
+                v_cur = v16_s.index(vslot)
+                acc_t = warpgroup_mma(p_s.index(pb * 2), v_cur.slice(0, NH, dim=0), acc, is_async=True)
+                acc_t = warpgroup_mma(p_s.index(pb * 2 + 1), v_cur.slice(NH, NH, dim=0), acc_t, is_async=True)
+            k_lat = k_lat_s.index(stage).slice(HALF * NH, NH, dim=0)
+            k_rope = k_rope_s.index(stage).slice(HALF * NH, NH, dim=0)
+            s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rope_s, k_rope.permute((1, 0)), s, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
+            mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+
+            s = s * qk_scale + gl.expand_dims(bias, 0)
+            # both consumers must scale by one max: exchange the tile's row maxima (buffers by tile parity; the
+            # other consumer has read tile it - 2's before it published tile it - 1's)
+            xb = it % 2
+            x_s.index(xb * 2 + HALF).store(gl.max(s, axis=1))
+            mbarrier.arrive(x_ready.index(HALF))
+            mbarrier.wait(x_ready.index(1 - HALF), it & 1)
+            m_tile = gl.maximum(x_s.index(xb * 2).load(head_s_layout), x_s.index(xb * 2 + 1).load(head_s_layout))
+            p, m_i, l_i, acc = _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout)
+            # this consumer's P half for both consumers' P.V (wgmma reads it through the async proxy); buffer
+            # it % 2 is free: both consumers retired tile it - 2's P.V before this tile's max exchange
+            p_s.index(xb * 2 + HALF).store(p.to(gl.float16))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(xb))
+        if num_tiles > 0:
+            last = num_tiles - 1
+            u = 2 * last + HALF
+            pb = last % 2
+            mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
+            mbarrier.wait(p_ready.index(pb), (last // 2) & 1)
+            v_cur = v16_s.index(u % V_SLOTS)
+            acc = warpgroup_mma(p_s.index(pb * 2), v_cur.slice(0, NH, dim=0), acc, is_async=True)
+            acc = warpgroup_mma(p_s.index(pb * 2 + 1), v_cur.slice(NH, NH, dim=0), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # the row sum over both consumers' tokens (one more use of the max exchange's buffers and barriers)
+        xb = num_tiles % 2
+        x_s.index(xb * 2 + HALF).store(l_i)
+        mbarrier.arrive(x_ready.index(HALF))
+        mbarrier.wait(x_ready.index(1 - HALF), num_tiles & 1)
+        l_i = x_s.index(xb * 2).load(head_s_layout) + x_s.index(xb * 2 + 1).load(head_s_layout)
+
+        _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
+                      stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
+
+    @gluon.jit
+    def _store_result(
+        acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row, out_scale,
+        HALF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+    ):
+        """Epilogue, as triton_decode._epilogue: a consumer's 256 columns (bf16 out, or the fp32 split partial);
+        consumer 0 also the LSE."""
+        DH: gl.constexpr = 256
+        head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         has = l_i > 0.0
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
@@ -333,6 +441,7 @@ if gl is not None:
         LAZY: gl.constexpr,  # rescale the accumulators only when a running max grows by > 2**8
         PINGPONG: gl.constexpr,  # the two consumers take turns issuing their wgmmas
         PV_FIRST: gl.constexpr,  # issue and retire P.V of tile i - 1 before Q.K of tile i
+        QK_SPLIT: gl.constexpr,  # each consumer Q.K on its half of the tokens, maxima and P exchanged (_consumer_split)
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
@@ -374,6 +483,16 @@ if gl is not None:
             mbarrier.init(v_empty.index(i), count=1)  # that half's consumer
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)  # the other consumer, after issuing its wgmmas
+        if QK_SPLIT:
+            # P halves (buffer by tile parity, half by consumer) as wgmma A operands; row maxima / sums exchanged
+            p_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16, rank=2)
+            p_s = gl.allocate_shared_memory(gl.float16, [4, _BH, BLOCK_N // 2], p_layout_s)
+            x_s = gl.allocate_shared_memory(gl.float32, [4, _BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(x_ready.index(i), count=1)  # consumer i, after storing its maxima (or row sums)
+                mbarrier.init(p_ready.index(i), count=2)  # both consumers, after storing their P halves
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
@@ -390,25 +509,48 @@ if gl is not None:
         q_rope_s.store(q_rope)
         fence_async_shared()
 
-        gl.warp_specialize(
-            [
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
-                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
-                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
-                             kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                             BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
-            ],
-            [4, 4],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
+        if QK_SPLIT:
+            gl.warp_specialize(
+                [
+                    (_consumer_split, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
+                                       k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
+                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                       row, split, hb, num_tiles, H, num_splits,
+                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                       0, BLOCK_N, K_STAGES, V_SLOTS)),
+                    (_consumer_split, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
+                                       k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
+                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                       row, split, hb, num_tiles, H, num_splits,
+                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                       1, BLOCK_N, K_STAGES, V_SLOTS)),
+                    (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
+                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 0, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
+                    (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
+                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -424,6 +566,10 @@ class GluonParams:
     lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
     pv_first: bool = DEFAULT_PV_FIRST  # P.V of tile i - 1 issued and retired before Q.K of tile i
+    # each consumer Q.K on half the tokens, maxima and P exchanged through shared memory; the consumers then move
+    # in step, so pingpong and pv_first do not apply (P.V always goes first). Compiled for sm_90a, NOT yet run on
+    # a GPU (NOTES v6): off by default until tests/test_gluon_decode.py's qk_split cases pass on a Hopper
+    qk_split: bool = False
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
@@ -433,11 +579,15 @@ class GluonParams:
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
+        if self.qk_split and self.lazy:
+            raise ValueError("qk_split has no lazy rescale: lazy must be False with it")
         regs = (self.consumer_regs, self.producer_regs)
         if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
             raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
                              f"504 - both >= consumer_regs, got {regs}")
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
+        smem += 2 * BLOCK_H * self.block_n * 2 if self.qk_split else 0  # the P halves, two tiles
+        smem += 2048  # the token bias, the row-max exchange, mbarriers and Triton's warp-specialize state
         if self.k_stages < 2 or self.v_slots < 2 or smem > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({smem} B)")
@@ -456,7 +606,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, LAZY=params.lazy,
-                PINGPONG=params.pingpong, PV_FIRST=params.pv_first, CVT_ROWS=params.cvt_rows,
+                PINGPONG=params.pingpong, PV_FIRST=params.pv_first, QK_SPLIT=params.qk_split, CVT_ROWS=params.cvt_rows,
                 CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
@@ -497,6 +647,7 @@ def gluon_sparse_mla_decode(
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
     pv_first: bool = DEFAULT_PV_FIRST,
+    qk_split: bool = False,
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
@@ -520,7 +671,8 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_slots, lazy, pingpong, pv_first, cvt_rows, consumer_regs, producer_regs)
+    params = GluonParams(block_n, k_stages, v_slots, lazy, pingpong, pv_first, qk_split, cvt_rows, consumer_regs,
+                         producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
