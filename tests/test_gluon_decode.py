@@ -10,6 +10,7 @@ replay.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,12 @@ class Case:
     pv_first: bool = True
     qk_split: bool = False
     cvt_rows: int = 32
+
+    def params(self) -> GluonParams:
+        """The kernel's compile-time shape for this case (raises ValueError for one it cannot take)."""
+        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, lazy=self.lazy,
+                           pingpong=self.pingpong, pv_first=self.pv_first, qk_split=self.qk_split,
+                           cvt_rows=self.cvt_rows)
 
 
 CASES = [
@@ -138,9 +145,7 @@ def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)
     gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                            splits=case.splits, block_n=case.block_n, k_stages=case.k_stages,
-                            v_slots=case.v_slots, lazy=case.lazy, pingpong=case.pingpong,
-                            pv_first=case.pv_first, qk_split=case.qk_split, cvt_rows=case.cvt_rows)
+                            splits=case.splits, **dataclasses.asdict(case.params()))
     torch.cuda.synchronize()
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
@@ -221,5 +226,4 @@ def test_rejects_few_heads() -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}")
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU (it did once)."""
-    GluonParams(block_n=case.block_n, k_stages=case.k_stages, v_slots=case.v_slots, lazy=case.lazy,
-                pingpong=case.pingpong, pv_first=case.pv_first, qk_split=case.qk_split, cvt_rows=case.cvt_rows)
+    case.params()

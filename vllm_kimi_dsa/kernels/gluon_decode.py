@@ -671,8 +671,9 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n, k_stages, v_slots, lazy, pingpong, pv_first, qk_split, cvt_rows, consumer_regs,
-                         producer_regs)
+    params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, lazy=lazy, pingpong=pingpong,
+                         pv_first=pv_first, qk_split=qk_split, cvt_rows=cvt_rows, consumer_regs=consumer_regs,
+                         producer_regs=producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
