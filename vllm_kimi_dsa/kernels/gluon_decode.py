@@ -394,8 +394,9 @@ if gl is not None:
         for it in range(num_tiles + 1):
             if it < num_tiles:
                 stage = it % K_STAGES
-                valid = gl.expand_dims(slot >= 0, 1)
-                row_base = gl.expand_dims(kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * stride_kv, 1)
+                ok = slot >= 0
+                valid = gl.expand_dims(ok, 1)
+                row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
                 # the stage is free once both consumers' Q.K and our conversion of tile it - K_STAGES are done
                 mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
                 async_copy.async_copy_global_to_shared(
@@ -403,7 +404,7 @@ if gl is not None:
                 async_copy.async_copy_global_to_shared(
                     k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
                 # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
-                bias_s.index(stage).store(gl.where(slot >= 0, 0.0, float("-inf")))
+                bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
                 # every producer thread arrives (count 128) once its copies have landed; one more, ordinary
                 # arrive (release: after the partition's barrier) publishes the bias store
                 async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
