@@ -78,7 +78,8 @@ def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> i
         per = triton.cdiv(tiles, splits)
         used = triton.cdiv(tiles, per)  # splits that get work
         waves = triton.cdiv(rows * head_blocks * used, slots_per_wave)
-        cost = waves * (per + overhead + (0.0 if used == 1 else cfg.split_tiles)) + (0.0 if used == 1 else 0.5)
+        split = used > 1  # a split CTA also writes a partial the combine reads back
+        cost = waves * (per + overhead + split * cfg.split_tiles) + split * 0.5
         if cost < best_cost - 1e-9:
             best, best_cost = used, cost
     return best
