@@ -43,10 +43,10 @@ CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
 # name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
-GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-pv-after-qk": {"pv_first": False}, "gluon-v2": {"v_slots": 2},
-                                   "gluon-lazy": {"lazy": True},
-                                   "gluon-bn32-ks4-vs2": {"block_n": 32, "k_stages": 4, "v_slots": 4},
-                                   "gluon-qk-split": {"qk_split": True}}
+GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-v2": {"v_slots": 2},
+                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
+                                   "gluon-no-qk-split": {"qk_split": False},
+                                   "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True}}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):

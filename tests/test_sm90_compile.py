@@ -53,9 +53,9 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 
 @pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("overrides", [{}, {"qk_split": True}], ids=["default", "qk_split"])
+@pytest.mark.parametrize("overrides", [{}, {"qk_split": False}], ids=["default", "no_qk_split"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
-    """The default and the not-yet-GPU-run qk_split variant. In a process of its own too: Triton's own `tl`
+    """The default (qk_split) and the redundant-Q.K consumers. In a process of its own too: Triton's own `tl`
     helpers that Gluon calls (gl.max, ...) are interpreted functions once the tests set TRITON_INTERPRET, and
     Gluon cannot compile those."""
     r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, json.dumps(overrides)], capture_output=True,

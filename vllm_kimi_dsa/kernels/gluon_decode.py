@@ -22,7 +22,7 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
   to back (PV_FIRST; the reverse order otherwise), retires P.V first (its V16 slot goes back to the producer), then
   Q.K, then does the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
   while the other does its softmax.
-- QK_SPLIT (GluonParams.qk_split, off by default: compiled for sm_90a, not yet run on a GPU): each consumer
+- QK_SPLIT (GluonParams.qk_split, the default since gluon-v8: 3-4% faster than the redundant Q.K): each consumer
   computes S for its BLOCK_N / 2 tokens only, the two exchange row maxima (x_s, x_ready) and P halves (p_s,
   p_ready) through shared memory, and each P.V reads all of P from shared memory: half the Q.K tensor work and
   Q/K shared-memory reads, half the softmax; the consumers move in step (no PINGPONG).
@@ -55,6 +55,9 @@ DEFAULT_V_SLOTS = 3
 DEFAULT_LAZY = False  # lazy's any-head check is a cross-warp reduction a tile: 468 vs 412 µs (NOTES v6)
 DEFAULT_PINGPONG = True
 DEFAULT_PV_FIRST = True
+# each consumer Q.K on its half of a tile's tokens: 384.8 vs 398.2 µs at 320 rows, 140.4 vs 146.2 at 80 (H=128,
+# one run on the H200, results/h200-2026-12-03/gluon-v8; its 7 GPU test cases passed first)
+DEFAULT_QK_SPLIT = True
 # A split CTA's 64 x 512 fp32 partial is 128 KB written and read back by the combine: at the H200's bandwidth
 # share of an SM about 3.8 tiles of this kernel (~2.6 µs a 64-token tile). Fitted to bench_gluon --splits on
 # the H200 (results/h200-2026-12-03/gluon-v7/splits_probe.json): at 80 rows 2-3 splits take 146 µs, the 4 picked
@@ -568,9 +571,8 @@ class GluonParams:
     pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
     pv_first: bool = DEFAULT_PV_FIRST  # P.V of tile i - 1 issued and retired before Q.K of tile i
     # each consumer Q.K on half the tokens, maxima and P exchanged through shared memory; the consumers then move
-    # in step, so pingpong and pv_first do not apply (P.V always goes first). Compiled for sm_90a, NOT yet run on
-    # a GPU (NOTES v6): off by default until tests/test_gluon_decode.py's qk_split cases pass on a Hopper
-    qk_split: bool = False
+    # in step, so pingpong and pv_first do not apply (P.V always goes first); lazy needs it off
+    qk_split: bool = DEFAULT_QK_SPLIT
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
@@ -648,7 +650,7 @@ def gluon_sparse_mla_decode(
     lazy: bool = DEFAULT_LAZY,
     pingpong: bool = DEFAULT_PINGPONG,
     pv_first: bool = DEFAULT_PV_FIRST,
-    qk_split: bool = False,
+    qk_split: bool = DEFAULT_QK_SPLIT,
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
