@@ -1,4 +1,5 @@
-"""Which kernel TritonDecode runs: the Gluon one for fp8 at > 32 heads on Hopper, this package's Triton one elsewhere.
+"""Which kernel TritonDecode runs: the Gluon ones for fp8 at > 32 heads and at <= 16 heads on Hopper, this package's
+Triton one elsewhere.
 
 Runs everywhere: on a CPU (CI) it checks the fallback and GluonParams' argument rules; on a Hopper GPU also that
 the Gluon kernel is picked, and that VLLM_KIMI_DSA_GLUON=0 turns it off.
@@ -13,11 +14,13 @@ import torch
 
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
 AUTO = HOPPER and gluon_verified()  # picked without being asked for
+AUTO_FEW = HOPPER and few_heads_verified()
 
 
 def _setup(fmt: str, heads: int) -> DecodeSetup:
@@ -59,23 +62,42 @@ def test_gluon_never_on_cpu() -> None:
     assert not gluon_available("cpu")
 
 
-@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("nvfp4_ds_mla", 128)])
+@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("fp8", 16), ("fp8", 12),
+                                       ("nvfp4_ds_mla", 128), ("nvfp4_ds_mla", 12)])
 def test_kernel_choice(fmt: str, heads: int) -> None:
     k = TritonDecode(_setup(fmt, heads))
-    want = AUTO and fmt == "fp8" and heads > 32
+    want = fmt == "fp8" and (AUTO if heads > 32 else AUTO_FEW if heads <= 16 else False)
     assert (k.gluon is not None) == want
     if k.gluon is None:
         assert k.config == default_config(heads, fmt)
-    else:
+    elif heads > 32:
         assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
+    else:
+        assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
+
+
+def test_few_heads_params_reject_bad_shapes() -> None:
+    assert FewHeadsParams().smem_bytes() <= 227 * 1024
+    FewHeadsParams(k_stages=4, v_slots=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        FewHeadsParams(k_stages=4, v_slots=3)
+    with pytest.raises(ValueError, match="k_stages"):
+        FewHeadsParams(k_stages=1)
+    with pytest.raises(ValueError, match="cvt_rows"):
+        FewHeadsParams(cvt_rows=64)
+    with pytest.raises(ValueError, match="producer_regs"):
+        FewHeadsParams(producer_regs=50)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")
 def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     assert TritonDecode(_setup("fp8", 128)).gluon is None
+    assert TritonDecode(_setup("fp8", 16)).gluon is None
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
     assert TritonDecode(_setup("fp8", 128)).gluon is not None
+    assert isinstance(TritonDecode(_setup("fp8", 12)).gluon, FewHeadsParams)
+    assert TritonDecode(_setup("fp8", 32)).gluon is None  # 17..32 heads: no Gluon kernel
     assert TritonDecode(_setup("nvfp4_ds_mla", 128)).gluon is None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -625,15 +625,22 @@ class TritonDecode:
         # kernel on the H200) on the Triton versions it was verified on; VLLM_KIMI_DSA_GLUON=1 asks for it on any
         # version it compiles with, =0 never. Everywhere else (the interpreter, other GPUs, other Triton versions)
         # this file's kernel, which computes the same thing.
-        self.gluon = None
+        # fp8, <= 16 heads, on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring) under the same
+        # rules. 17..32 heads and nvfp4 stay on this file's kernel.
+        self.gluon: Any = None
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
-        if self.fmt == "fp8" and setup.heads > 32 and want != "0":
-            from vllm_kimi_dsa.kernels import gluon_decode
+        if self.fmt == "fp8" and want != "0" and (setup.heads > 32 or setup.heads <= 16):
+            from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
-            if gluon_decode.gluon_available(setup.device) and (want == "1" or gluon_decode.gluon_verified()):
-                self.gluon = gluon_decode.GluonParams()
-                self.config = self.gluon.config()
-                self._gluon_launch = gluon_decode.launch
+            if setup.heads > 32:
+                params, verified, launch = gluon_decode.GluonParams(), gluon_decode.gluon_verified(), gluon_decode.launch
+            else:
+                params, verified = gluon_few_heads.FewHeadsParams(), gluon_few_heads.few_heads_verified()
+                launch = gluon_few_heads.launch
+            if gluon_decode.gluon_available(setup.device) and (want == "1" or verified):
+                self.gluon = params
+                self.config = params.config()
+                self._gluon_launch = launch
         sms = num_sms(torch.device(setup.device))
         self.workspace = make_workspace(
             setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths, fmt=self.fmt, config=self.config

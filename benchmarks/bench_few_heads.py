@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Time the few-heads Gluon decode (kernels/gluon_few_heads.py) against the Triton kernel's default config on one
+H200: fp8 cache, H = 16 and 12, K = 2048, against the copy bandwidth measured in the same run.
+
+Same method as bench_gluon.py: one process, each call inside a CUDA graph rotating over input sets larger than 2x
+the L2, accuracy against the float32 reference first (5 rows, holes, a count-0 row). The floor of a call is its
+KV bytes (rows x K x 576) at the copy bandwidth (bytes read + written / s, bench_suite.ceilings): "copy" in the
+table is that fraction. Prints a table, writes $OUT/few_heads_bench.json.
+
+    PYTHONPATH=. python3 benchmarks/bench_few_heads.py --out DIR [--rows 1,5,20,80,160,320] [--splits '80:1,2,3']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_suite import ceilings  # noqa: E402
+
+from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
+from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+
+K = 2048
+CACHE_ROWS = 1 << 20
+SSCALE = 1.0 / 192.0**0.5 * 0.25 * 0.125
+OSCALE = 0.125
+# name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config
+VARIANTS: dict[str, dict] = {"few": {}, "few-k4v2": {"k_stages": 4, "v_slots": 2}, "few-k2v4": {"k_stages": 2, "v_slots": 4}}
+
+
+def _config(name: str, heads: int) -> td.Config:
+    return td.default_config(heads, "fp8") if name == "triton" else FewHeadsParams(**VARIANTS[name]).config()
+
+
+def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
+    if name == "triton":
+        cfg = td.default_config(q.shape[1], "fp8")
+        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
+                                            out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
+    params = FewHeadsParams(**VARIANTS[name])
+    return lambda: few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
+                                               lse=lse, workspace=ws, splits=splits, params=params)
+
+
+def _time(name: str, heads: int, rows: int, splits: int, kv, dev, g) -> float:
+    sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
+    qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+    ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
+    cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
+    outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+    lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
+    need = rows * splits * heads
+    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
+                      dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
+    return cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits) for i in range(sets)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--rows", default="1,5,20,80,160,320")
+    p.add_argument("--heads", default="16,12")
+    p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every variant)")
+    p.add_argument("--splits", default="", help="probe the default kernel at H=16, e.g. '80:1,2,3;5:8,16,32'")
+    a = p.parse_args()
+    rows_list = [int(r) for r in a.rows.split(",")]
+    heads_list = [int(h) for h in a.heads.split(",")]
+    names = ["triton", *VARIANTS]
+    if a.only:
+        names = [n for n in names if n in a.only.split(",")]
+    if not gluon_available():
+        print(f"Gluon unavailable: {gluon_unavailable_reason()}; timing triton only")
+        names = ["triton"]
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ceil = ceilings(dev, quick=True)
+    print(f"copy {ceil['copy_GBps']:.0f} GB/s (read + written)", flush=True)
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv = quantize_rows(torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8, "fp8")
+    results: dict[str, dict] = {}
+    for heads in heads_list:
+        q5 = (torch.randn(5, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
+        s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
+        s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
+        c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
+        ref, ref_lse = reference_decode(q5, kv, s5, c5, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE)
+        for name in names:
+            key = f"{name}/H{heads}"
+            rec: dict = {"times": {}}
+            results[key] = rec
+            try:
+                for splits in (1, 3):
+                    out = torch.full((5, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
+                    lse = torch.full((5, heads), float("nan"), device=dev)
+                    h = _runner(name, q5, kv, s5, c5, out, lse, None, splits)()
+                    torch.cuda.synchronize()
+                    fin = torch.isfinite(ref_lse)
+                    rel = float((out.float() - ref).norm() / ref.norm())
+                    ok = (bool(torch.isfinite(out).all()) and bool((out[1] == 0).all())
+                          and bool(torch.isneginf(lse[1]).all()) and bool(torch.isfinite(lse[fin]).all()))
+                    lse_err = float((lse[fin] - ref_lse[fin]).abs().max()) if ok else float("inf")
+                    rec[f"acc_splits{splits}"] = dict(rel_l2=rel, lse_err=lse_err, ok=ok)
+                    rec["regs"], rec["spills"] = getattr(h, "n_regs", None), getattr(h, "n_spills", None)
+                    print(f"{key:16s} splits={splits}: rel {rel:.2e} lse {lse_err:.2e} {'ok' if ok else 'BAD'} "
+                          f"regs {rec['regs']} spills {rec['spills']}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
+                rec["error"] = f"{type(e).__name__}: {e}"
+                print(f"{key} FAILED: {rec['error'][:300]}", flush=True)
+                traceback.print_exc()
+                continue
+            cfg = _config(name, heads)
+            for rows in rows_list:
+                splits = td.choose_splits(rows, heads, K, cfg, sms)
+                us = _time(name, heads, rows, splits, kv, dev, g)
+                gbps = rows * K * row_bytes("fp8") / us / 1e3
+                rec["times"][rows] = dict(us=us, splits=splits, kv_GBps=gbps, copy_frac=gbps / ceil["copy_GBps"])
+                print(f"{key:16s} rows {rows:4d}: {us:8.1f} us  splits {splits:2d}  {gbps:6.0f} GB/s  "
+                      f"{gbps / ceil['copy_GBps']:.2f} of copy", flush=True)
+    probe = []
+    for item in filter(None, a.splits.split(";")):
+        rows_s, counts_s = item.split(":")
+        picked = td.choose_splits(int(rows_s), 16, K, _config("few", 16), sms)
+        for sp in (int(c) for c in counts_s.split(",")):
+            us = _time("few", 16, int(rows_s), sp, kv, dev, g)
+            probe.append(dict(rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
+            print(f"splits probe H=16: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (picks {picked})", flush=True)
+    print()
+    print(f"{'kernel':16s} " + " ".join(f"{r:>13d}" for r in rows_list) + "   (µs (fraction of copy), K=2048, fp8)")
+    for key, rec in results.items():
+        cells = [f"{t['us']:7.1f} ({t['copy_frac']:.2f})" if (t := rec["times"].get(r)) else f"{'-':>13s}"
+                 for r in rows_list]
+        print(f"{key:16s} " + " ".join(cells))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "few_heads_bench.json").write_text(json.dumps(
+        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+             K=K, ceilings=ceil, results=results, splits_probe=probe, floor="rows*K*576 B of KV at copy_GBps"),
+        indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""GPU tests of the few-heads Gluon decode (kernels/gluon_few_heads.py: fp8, <= 16 heads) against reference_decode.
+
+Hopper only: the GPU tests skip with the reason where gluon_available() is False (CPU CI, other GPUs, other Triton
+versions); the check that every case is a valid FewHeadsParams runs everywhere. Inputs are test_gluon_decode's:
+fresh random fp8 rows, -1 holes, junk past counts, a count-0 row and an all-holes row; odd row counts, 1 / 12 / 16
+heads (12 and 1 pad the 16-wide MMA), widths 128 / 1024 / 2048, one split and several (the combine), K rings of
+2-4 and V16 rings of 2-4 half tiles, conversion steps of 16 / 32 rows, outputs poisoned with NaN, a CUDA-graph
+capture / replay. Tolerance: test_triton_decode's check with this kernel's config (bf16 output rounding, fp16 P,
+fp8 wgmma logits within conftest.wgmma_logit_bound); NaN never passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from test_gluon_decode import _case, _poisoned
+from test_triton_decode import _check as triton_check
+from vllm_kimi_dsa.kernels import triton_decode
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_config, few_heads_sparse_mla_decode
+from vllm_kimi_dsa.reference import reference_decode
+
+GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Case:
+    rows: int
+    heads: int
+    width: int
+    splits: int | None = None  # None: the heuristic; 1: no combine
+    k_stages: int = 3
+    v_slots: int = 3
+    cvt_rows: int = 32
+
+    def params(self) -> FewHeadsParams:
+        return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows)
+
+
+CASES = [
+    Case(1, 16, 2048, splits=1),
+    Case(5, 16, 2048, splits=1),
+    Case(5, 12, 2048, splits=3),
+    Case(7, 12, 1024),
+    Case(7, 16, 1024, splits=1),
+    Case(33, 12, 128),
+    Case(33, 16, 2048, splits=1),
+    Case(19, 1, 1024, splits=2),
+    Case(320, 16, 2048),
+    Case(320, 12, 2048, splits=1),
+    Case(7, 16, 2048, splits=1, k_stages=4, v_slots=2),
+    Case(19, 12, 2048, splits=2, k_stages=4, v_slots=2),
+    Case(7, 16, 2048, splits=1, k_stages=2, v_slots=4),
+    Case(33, 12, 1024, splits=1, k_stages=2, v_slots=2),
+    Case(5, 16, 2048, splits=1, cvt_rows=16),
+    Case(320, 16, 2048, k_stages=4, v_slots=2),
+]
+
+
+def _check(out, lse, q, kv, slots, counts, ss, os_) -> None:
+    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=few_heads_config())
+
+
+@GPU
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
+def test_matches_reference(case: Case) -> None:
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads)
+    out, lse = _poisoned(case.rows, case.heads)
+    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                splits=case.splits, params=case.params())
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+def test_without_lse() -> None:
+    q, kv, slots, counts, ss, os_ = _case(5, 16, 1024, seed=3)
+    out, _ = _poisoned(5, 16)
+    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
+    torch.cuda.synchronize()
+    _, ref_lse = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
+    _check(out, ref_lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+def test_agrees_with_triton_kernel() -> None:
+    """Same inputs through the plain-Triton transposed kernel: they differ by no more than their own errors allow."""
+    q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11)
+    out_g, lse_g = _poisoned(20, 12)
+    out_t, lse_t = _poisoned(20, 12)
+    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g)
+    triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out_t,
+                                    lse=lse_t)
+    torch.cuda.synchronize()
+    _check(out_g, lse_g, q, kv, slots, counts, ss, os_)
+    ref, _ = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
+    err_g = ((out_g.float() - ref).norm() / ref.norm()).item()
+    err_t = ((out_t.float() - ref).norm() / ref.norm()).item()
+    between = ((out_g.float() - out_t.float()).norm() / ref.norm()).item()
+    assert between <= err_g + err_t + 1e-4, f"kernels differ by {between:.2e} (errors {err_g:.2e}, {err_t:.2e})"
+
+
+@GPU
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_graph_replay(splits: int) -> None:
+    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
+    rows, heads, width = 7, 12, 1024
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
+                                      config=few_heads_config())
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                    workspace=ws, splits=splits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    q2, kv2, slots2, counts2, _, _ = _case(rows, heads, width, seed=22)
+    for dst, src in ((q, q2), (kv, kv2), (slots, slots2), (counts, counts2)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+def test_rejects_many_heads() -> None:
+    q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
+    out, lse = _poisoned(3, 32)
+    with pytest.raises(ValueError, match="heads"):
+        few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
+def test_cases_are_valid_params(case: Case) -> None:
+    """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
+    case.params()

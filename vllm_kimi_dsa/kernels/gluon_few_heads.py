@@ -1,0 +1,334 @@
+"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): FP8 cache, <= 16 heads (K3.1's 12 / 16 a rank).
+
+With few heads a row the decode is bound by the gathered bytes (576 a token), not by the tensor cores, so the
+design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
+M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it replaces on Hopper:
+
+- 8 warps, 1 CTA an SM. Same grid (1 head block, splits, rows), runtime arguments, split scratch and
+  `_combine_kernel` as `triton_decode._decode_kernel`.
+- The producer warpgroup is gluon_decode's `_producer`, unchanged: cp.async gathers of each 64-token tile into a
+  K ring of K_STAGES (36 KB each) with the 0 / -inf token bias, then the latent e4m3 -> fp16 conversion into a V16
+  ring of half tiles (64 x 256 fp16).
+- One consumer warpgroup (the default partition): S^T = K Q^T (64 tokens x BH heads; fp8 wgmma, A = the K stage,
+  B = Q^T, both from shared memory), the online softmax down the tokens (one cross-warp max a tile; the row sums
+  stay per thread until the end), P^T -> fp16 into shared memory, then O^T (512 x BH, two 256-row halves) +=
+  V16^T P^T (fp16 wgmma, A = a V16 half read transposed, B = P^T). Iteration `it` issues P.V of tile it - 1 and
+  Q.K of tile it back to back and retires P.V first (its V16 halves go back to the producer).
+- mbarriers as gluon_decode's, with one consumer: k_empty counts 2 (the consumer after Q.K, the producer after
+  converting), each V16 half's v_empty 1.
+
+Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
+Not for nvfp4, > 16 heads (32 heads spill in the consumer: 128 accumulator registers), > 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says
+whether this process can run Gluon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.kernels import gluon_decode as gd
+from vllm_kimi_dsa.kernels import triton_decode as td
+
+BLOCK_N = 64  # tokens a tile: the wgmma M of S^T
+BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queries, masked at the store)
+MAX_HEADS = BLOCK_H
+# A split CTA's BH x 512 fp32 partial (32 KB at BH 16) written and read back by the combine: about 2 tiles of
+# this kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count, not yet fitted.
+SPLIT_TILES = 2.0
+# Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
+# by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
+VERIFIED_TRITON: tuple[str, ...] = ()
+
+if gd.gl is not None:
+    gl = gd.gl
+    gluon = gd.gluon
+    mbarrier = gd.mbarrier
+    fence_async_shared = gd.fence_async_shared
+    warpgroup_mma = gd.warpgroup_mma
+    warpgroup_mma_init = gd.warpgroup_mma_init
+    warpgroup_mma_wait = gd.warpgroup_mma_wait
+    _D = gl.constexpr(LATENT_DIM)
+    _BN = gl.constexpr(BLOCK_N)
+
+    @gluon.jit
+    def _few_consumer(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
+        k_ready, k_empty, v_ready, v_empty,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
+    ):
+        """The consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue."""
+        DH: gl.constexpr = 256  # latent dims a V16 half
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        m_i = gl.full([BH], float("-inf"), gl.float32, head_s_layout)
+        # per-thread shares of the row sums (summed down the tokens once, after the loop: no reduction a tile)
+        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
+        acc0 = gl.zeros([DH, BH], gl.float32, o_layout)  # O^T, latent dims 0..255
+        acc1 = gl.zeros([DH, BH], gl.float32, o_layout)  # 256..511
+        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        q_lat_t = q_lat_s.permute((1, 0))
+        q_rope_t = q_rope_s.permute((1, 0))
+        p_t = p_s.permute((1, 0))  # P^T (tokens x heads) as the K-major B operand
+        for it in range(num_tiles):
+            stage = it % K_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+            bias = bias_s.index(stage).load(tok_layout)
+            fence_async_shared()
+            # tile it - 1's V16 halves are uses 2 (it - 1) and 2 (it - 1) + 1 (valid slot indices at it = 0)
+            u = 2 * (it - 1)
+            vs0 = (u + 2 * V_SLOTS) % V_SLOTS
+            vs1 = (u + 1 + 2 * V_SLOTS) % V_SLOTS
+            a0 = warpgroup_mma_init(acc0)
+            a1 = warpgroup_mma_init(acc1)
+            if it > 0:
+                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
+                a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
+                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+                a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
+            # fp8 x fp8 without accumulator promotion, as the 64-head kernel (conftest.wgmma_logit_bound)
+            s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(a0, a1))
+            mbarrier.arrive(v_empty.index(vs0), pred=it > 0)
+            mbarrier.arrive(v_empty.index(vs1), pred=it > 0)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+
+            # online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP
+            s = s * qk_scale + gl.expand_dims(bias, 1)
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 0))
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 0)
+            acc0 = acc0 * alpha_o
+            acc1 = acc1 * alpha_o
+            m_i = m_new
+            # P rounds to fp16 as in the Triton kernel; P.V of tile it - 1 has retired, so the buffer is free
+            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+            fence_async_shared()
+        if num_tiles > 0:
+            u = 2 * (num_tiles - 1)
+            mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
+            acc0 = warpgroup_mma(v16_s.index(u % V_SLOTS).permute((1, 0)), p_t, acc0, is_async=True)
+            mbarrier.wait(v_ready.index((u + 1) % V_SLOTS), ((u + 1) // V_SLOTS) & 1)
+            acc1 = warpgroup_mma(v16_s.index((u + 1) % V_SLOTS).permute((1, 0)), p_t, acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        l_i = gl.sum(l_acc, axis=0)
+
+        # epilogue, as triton_decode._epilogue
+        has = l_i > 0.0
+        inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o_layout)
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        offs_h = gl.arange(0, BH, head_o_layout)
+        offs_d = gl.arange(0, DH, gl.SliceLayout(1, o_layout))
+        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < DH, 1)
+        offs_h_s = gl.arange(0, BH, head_s_layout)
+        if num_splits == 1:
+            o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
+                      + gl.expand_dims(offs_d, 1))
+            gl.store(o_ptrs, (acc0 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
+            gl.store(o_ptrs + DH, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
+            gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
+        else:
+            base = (row * num_splits + split) * H
+            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(offs_d, 1)
+            gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
+            gl.store(p_ptrs + DH, acc1 * gl.expand_dims(inv, 0), mask=mask)
+            gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
+
+    @gluon.jit
+    def few_heads_kernel(
+        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        H, K, num_splits,
+        stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BH: gl.constexpr,  # heads a CTA, the wgmma N (BLOCK_H; padded heads are zero queries, masked at the store)
+        K_STAGES: gl.constexpr,
+        V_SLOTS: gl.constexpr,
+        CVT_ROWS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):
+        """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
+        split = gl.program_id(1)
+        row = gl.program_id(2)
+
+        count = gl.load(counts_ptr + row)
+        count = gl.minimum(gl.maximum(count, 0), K)
+        tiles = gl.cdiv(count, _BN)
+        per = gl.cdiv(tiles, num_splits)
+        start = split * per * _BN
+        end = gl.minimum(start + per * _BN, count)
+        num_tiles = gl.maximum(gl.cdiv(end - start, _BN), 0)
+
+        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
+        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
+        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)  # P (heads x tokens), read as P^T
+        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=129)  # the producer's cp.async arrivals + its bias publish
+            mbarrier.init(k_empty.index(i), count=2)  # the consumer after Q.K, the producer after converting
+        for i in gl.static_range(V_SLOTS):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+
+        # Q (BH heads x 576 e4m3; padded heads 0) into shared memory, by this (consumer) warpgroup
+        q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        offs_h = gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        q_row = q_ptr + row.to(gl.int64) * stride_q_row
+        q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
+                        + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
+                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_lat_s.store(q_lat)
+        offs_hr = gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
+                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
+                         mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
+        q_rope_s.store(q_rope)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
+                                 k_ready, k_empty, v_ready, v_empty,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 BH, K_STAGES, V_SLOTS)),
+                (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
+                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+            ],
+            [4],
+            [PRODUCER_REGS],
+        )
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class FewHeadsParams:
+    """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report)."""
+
+    k_stages: int = 3  # K ring depth (36 KB a stage): the gathers in flight
+    v_slots: int = 3  # fp16 V16 ring of half tiles (32 KB each)
+    cvt_rows: int = gd.DEFAULT_CVT_ROWS
+    producer_regs: int = 96
+
+    def __post_init__(self) -> None:
+        if self.cvt_rows not in (8, 16, 32):
+            raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
+        if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
+            raise ValueError(f"producer_regs must be a multiple of 8 in [56, 256], got {self.producer_regs}")
+        if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
+            raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
+                             f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
+
+    def smem_bytes(self) -> int:
+        """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
+        return (BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + self.v_slots * BLOCK_N * LATENT_DIM
+                + BLOCK_H * BLOCK_N * 2 + 2048)
+
+    def config(self) -> td.Config:
+        """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
+        return few_heads_config()
+
+
+def few_heads_config() -> td.Config:
+    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=8, num_stages=1, ctas_per_sm=1, imprecise=0,
+                     swap=True, split_tiles=SPLIT_TILES)
+
+
+def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
+    return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
+                PRODUCER_REGS=params.producer_regs)
+
+
+def few_heads_verified() -> bool:
+    return gd._triton_is(VERIFIED_TRITON)
+
+
+def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
+           ws: td.Workspace, splits: int, params: FewHeadsParams) -> Any:
+    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+    rows, heads = query.shape[0], query.shape[1]
+    splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
+    compiled = few_heads_kernel[(1, splits, rows)](
+        query, kv_rows, slots, counts,
+        out, lse_t, ws.part_out, ws.part_lse,
+        heads, slots.shape[1], splits,
+        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
+        out.stride(0), out.stride(1), lse_t.stride(0),
+        softmax_scale * gd.LOG2E, output_scale,
+        **kernel_constexprs(params),
+        num_warps=4,  # the consumer (default partition); the producer adds 4 warps
+    )
+    td.combine(ws, out, lse_t, splits, output_scale)
+    return compiled
+
+
+def few_heads_sparse_mla_decode(
+    query: torch.Tensor,
+    kv_rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    softmax_scale: float,
+    output_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    workspace: td.Workspace | None = None,
+    splits: int | None = None,
+    params: FewHeadsParams | None = None,
+) -> Any:
+    """Sparse MLA decode of an fp8 cache for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode.
+
+    query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 16 (MAX_HEADS).
+    Other arguments as triton_decode.sparse_mla_decode; workspace from make_workspace(config=params.config()).
+    Returns the compiled kernel handle.
+    """
+    reason = gd.gluon_unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
+    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    rows, heads = query.shape[0], query.shape[1]
+    params = params or FewHeadsParams()
+    if heads > MAX_HEADS:
+        raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
+    cfg = params.config()
+    width = slots.shape[1]
+    if workspace is None:
+        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
+    if splits is None:
+        splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
+    if rows == 0:
+        return None
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
