@@ -377,8 +377,12 @@ if gl is not None:
         k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
+        LAG: gl.constexpr = 1,
     ):
-        """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16."""
+        """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16.
+
+        Iteration it issues the gather of tile it and converts tile it - LAG (1 <= LAG <= K_STAGES - 1): the
+        conversion waits for that tile's bytes, so LAG + 1 tiles' gathers are in flight while it waits."""
         # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each
         # gathered row, and 32 distinct 16-byte bank groups in the 128-byte-swizzled ring (a warp on one 512-byte
         # row hit the same banks four times: ncu, NOTES v6). A thread then needs 2 slots a tile, not 16.
@@ -394,13 +398,13 @@ if gl is not None:
         tok = gl.arange(0, BLOCK_N, gl.SliceLayout(1, row_layout))
         # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
         slot = gl.load(s_base + start + tok, mask=start + tok < end, other=-1)
-        for it in range(num_tiles + 1):
+        for it in range(num_tiles + LAG):
             if it < num_tiles:
                 stage = it % K_STAGES
                 ok = slot >= 0
                 valid = gl.expand_dims(ok, 1)
                 row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
-                # the stage is free once both consumers' Q.K and our conversion of tile it - K_STAGES are done
+                # the stage is free once the consumers' Q.K and our conversion of tile it - K_STAGES are done
                 mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
                 async_copy.async_copy_global_to_shared(
                     k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
@@ -414,8 +418,8 @@ if gl is not None:
                 mbarrier.arrive(k_ready.index(stage))
                 offs_next = start + (it + 1) * BLOCK_N + tok
                 slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
-            if it > 0:
-                j = it - 1
+            if it >= LAG:
+                j = it - LAG
                 cstage = j % K_STAGES
                 mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
                 k_cur = k_lat_s.index(cstage)

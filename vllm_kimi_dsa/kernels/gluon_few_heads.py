@@ -6,9 +6,9 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
 
 - 8 warps, 1 CTA an SM. Same grid (1 head block, splits, rows), runtime arguments, split scratch and
   `_combine_kernel` as `triton_decode._decode_kernel`.
-- The producer warpgroup is gluon_decode's `_producer`, unchanged: cp.async gathers of each 64-token tile into a
-  K ring of K_STAGES (36 KB each) with the 0 / -inf token bias, then the latent e4m3 -> fp16 conversion into a V16
-  ring of half tiles (64 x 256 fp16).
+- The producer warpgroup is gluon_decode's `_producer`: cp.async gathers of each 64-token tile into a K ring of
+  K_STAGES (36 KB each) with the 0 / -inf token bias, and the latent e4m3 -> fp16 conversion into a V16 ring of half
+  tiles (64 x 256 fp16) K_STAGES - 1 tiles behind the gathers (LAG), so that many tiles' rows are in flight.
 - One consumer warpgroup (the default partition): S^T = K Q^T (64 tokens x BH heads; fp8 wgmma, A = the K stage,
   B = Q^T, both from shared memory), the online softmax down the tokens (one cross-warp max a tile; the row sums
   stay per thread until the end), P^T -> fp16 into shared memory, then O^T (512 x BH, two 256-row halves) +=
@@ -164,6 +164,7 @@ if gd.gl is not None:
         V_SLOTS: gl.constexpr,
         CVT_ROWS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
+        LAG: gl.constexpr,  # the producer converts tile it - LAG after issuing tile it's gather
     ):
         """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
         split = gl.program_id(1)
@@ -224,7 +225,7 @@ if gd.gl is not None:
                                  BH, K_STAGES, V_SLOTS)),
                 (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+                                _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG)),
             ],
             [4],
             [PRODUCER_REGS],
@@ -242,6 +243,9 @@ class FewHeadsParams:
     v_slots: int = 3  # fp16 V16 ring of half tiles (32 KB each)
     cvt_rows: int = gd.DEFAULT_CVT_ROWS
     producer_regs: int = 96
+    # the producer converts tile it - (k_stages - 1 - lag_slack) after issuing tile it's gather; 0 keeps every
+    # stage but the one being converted in flight (few-heads-v1 converted one tile behind: ~2 tiles in flight)
+    lag_slack: int = 0
 
     def __post_init__(self) -> None:
         if self.cvt_rows not in (8, 16, 32):
@@ -251,6 +255,10 @@ class FewHeadsParams:
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
+
+    def lag(self) -> int:
+        """Tiles the producer's conversion trails its gathers (K_STAGES - 1 - lag_slack): more gathers in flight."""
+        return max(1, self.k_stages - 1 - self.lag_slack)
 
     def smem_bytes(self) -> int:
         """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
@@ -269,7 +277,7 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs)
+                PRODUCER_REGS=params.producer_regs, LAG=params.lag())
 
 
 def few_heads_verified() -> bool:
