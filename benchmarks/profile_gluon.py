@@ -1,8 +1,13 @@
-"""Two launches of the Gluon decode (H=128, K=2048, fp8, 80 rows, one split) for ncu: profile the second with
-`ncu -k regex:gluon_decode_kernel -s 1 -c 1 ...` (benchmarks/device_profile_gluon.sh)."""
+"""Two launches of a Gluon decode kernel for ncu: profile the second with `ncu -k regex:<kernel> -s 1 -c 1 ...`
+(benchmarks/device_profile_gluon.sh). Default: the 64-head kernel, H=128, K=2048, fp8, 80 rows, one split;
+`--kernel few` the few-heads kernel (default H=16, 264 rows: two full waves of 132 SMs).
+
+    python3 benchmarks/profile_gluon.py [--kernel gluon|few] [--rows N] [--heads H]
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -12,16 +17,26 @@ import torch  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_sparse_mla_decode  # noqa: E402
 
+p = argparse.ArgumentParser()
+p.add_argument("--kernel", choices=("gluon", "few"), default="gluon")
+p.add_argument("--rows", type=int, default=None)
+p.add_argument("--heads", type=int, default=None)
+a = p.parse_args()
+few = a.kernel == "few"
+rows = a.rows or (264 if few else 80)
+heads = a.heads or (16 if few else 128)
+width = 2048
+run = few_heads_sparse_mla_decode if few else gluon_sparse_mla_decode
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
-rows, heads, width = 80, 128, 2048
 kv = quantize_rows(torch.randn(1 << 20, 576, device=dev, generator=g) * 8, "fp8")
 q = (torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
 slots = torch.randint(0, 1 << 20, (rows, width), device=dev, generator=g, dtype=torch.int32)
 counts = torch.full((rows,), width, device=dev, dtype=torch.int32)
 out = torch.empty(rows, heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
 for _ in range(2):
-    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1)
+    run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1)
 torch.cuda.synchronize()
-print("profiled gluon_decode_kernel: rows", rows, "heads", heads, "K", width)
+print("profiled", a.kernel, "rows", rows, "heads", heads, "K", width)

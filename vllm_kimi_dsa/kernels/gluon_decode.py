@@ -377,7 +377,7 @@ if gl is not None:
         k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-        LAG: gl.constexpr = 1,
+        LAG: gl.constexpr = 1, SLOT_AHEAD: gl.constexpr = 1,
     ):
         """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16.
 
@@ -396,8 +396,13 @@ if gl is not None:
         offs_lat = gl.arange(0, 512, gl.SliceLayout(0, row_layout))
         offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
         tok = gl.arange(0, BLOCK_N, gl.SliceLayout(1, row_layout))
-        # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
+        # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion;
+        # SLOT_AHEAD 2: two tiles ahead, issued after the conversion (its fence waited on the load in flight:
+        # ncu of the few-heads kernel, NOTES v8)
         slot = gl.load(s_base + start + tok, mask=start + tok < end, other=-1)
+        slot_n = slot
+        if SLOT_AHEAD == 2:
+            slot_n = gl.load(s_base + start + BLOCK_N + tok, mask=start + BLOCK_N + tok < end, other=-1)
         for it in range(num_tiles + LAG):
             if it < num_tiles:
                 stage = it % K_STAGES
@@ -416,8 +421,11 @@ if gl is not None:
                 # arrive (release: after the partition's barrier) publishes the bias store
                 async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
                 mbarrier.arrive(k_ready.index(stage))
-                offs_next = start + (it + 1) * BLOCK_N + tok
-                slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
+                if SLOT_AHEAD == 2:
+                    slot = slot_n
+                else:
+                    offs_next = start + (it + 1) * BLOCK_N + tok
+                    slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
             if it >= LAG:
                 j = it - LAG
                 cstage = j % K_STAGES
@@ -434,6 +442,9 @@ if gl is not None:
                     fence_async_shared()
                     mbarrier.arrive(v_ready.index(u % V_SLOTS))
                 mbarrier.arrive(k_empty.index(cstage))
+            if SLOT_AHEAD == 2:
+                offs_next = start + (it + 2) * BLOCK_N + tok
+                slot_n = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
 
     @gluon.jit
     def gluon_decode_kernel(
@@ -453,6 +464,7 @@ if gl is not None:
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
+        SLOT_AHEAD: gl.constexpr,  # the producer loads a tile's slots 1 or 2 tiles before its gather
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
@@ -534,7 +546,7 @@ if gl is not None:
                                        1, BLOCK_N, K_STAGES, V_SLOTS)),
                     (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                  kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS, 1, SLOT_AHEAD)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -554,7 +566,7 @@ if gl is not None:
                                  1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
                     (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                  kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS, 1, SLOT_AHEAD)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -580,10 +592,13 @@ class GluonParams:
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
+    slot_ahead: int = 1  # the producer loads a tile's slots 1 or 2 tiles before its gather (_producer)
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
+        if self.slot_ahead not in (1, 2):
+            raise ValueError(f"slot_ahead must be 1 or 2, got {self.slot_ahead}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
         if self.qk_split and self.lazy:
@@ -614,7 +629,7 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, LAZY=params.lazy,
                 PINGPONG=params.pingpong, PV_FIRST=params.pv_first, QK_SPLIT=params.qk_split, CVT_ROWS=params.cvt_rows,
-                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
+                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs, SLOT_AHEAD=params.slot_ahead)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
@@ -658,6 +673,7 @@ def gluon_sparse_mla_decode(
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
+    slot_ahead: int = 1,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -680,7 +696,7 @@ def gluon_sparse_mla_decode(
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, lazy=lazy, pingpong=pingpong,
                          pv_first=pv_first, qk_split=qk_split, cvt_rows=cvt_rows, consumer_regs=consumer_regs,
-                         producer_regs=producer_regs)
+                         producer_regs=producer_regs, slot_ahead=slot_ahead)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:

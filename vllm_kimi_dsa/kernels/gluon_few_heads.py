@@ -165,6 +165,7 @@ if gd.gl is not None:
         CVT_ROWS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         LAG: gl.constexpr,  # the producer converts tile it - LAG after issuing tile it's gather
+        SLOT_AHEAD: gl.constexpr,  # the producer loads a tile's slots 1 or 2 tiles before its gather
     ):
         """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
         split = gl.program_id(1)
@@ -225,7 +226,7 @@ if gd.gl is not None:
                                  BH, K_STAGES, V_SLOTS)),
                 (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG)),
+                                _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG, SLOT_AHEAD)),
             ],
             [4],
             [PRODUCER_REGS],
@@ -246,8 +247,13 @@ class FewHeadsParams:
     # the producer converts tile it - (k_stages - 1 - lag_slack) after issuing tile it's gather; 0 keeps every
     # stage but the one being converted in flight (few-heads-v1 converted one tile behind: ~2 tiles in flight)
     lag_slack: int = 0
+    # the producer loads a tile's slots this many tiles before its gather (2: after the previous conversion, whose
+    # fence otherwise waits on the load; ncu of v2 had the producer in long_sb waits on the slots)
+    slot_ahead: int = 2
 
     def __post_init__(self) -> None:
+        if self.slot_ahead not in (1, 2):
+            raise ValueError(f"slot_ahead must be 1 or 2, got {self.slot_ahead}")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -277,7 +283,7 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs, LAG=params.lag())
+                PRODUCER_REGS=params.producer_regs, LAG=params.lag(), SLOT_AHEAD=params.slot_ahead)
 
 
 def few_heads_verified() -> bool:
