@@ -372,6 +372,63 @@ if gl is not None:
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
+    # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each gathered
+    # row, and 32 distinct 16-byte bank groups in the 128-byte-swizzled ring (a warp on one 512-byte row hit the
+    # same banks four times: ncu, NOTES v6). A thread then needs 2 slots a tile, not 16.
+    _ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def _load_slots(s_base, start, end, t, BLOCK_N: gl.constexpr):
+        """Tile t's slots (-1 past `end`), one per gathered row of _ROW_LAYOUT."""
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _ROW_LAYOUT))
+        return gl.load(s_base + offs, mask=offs < end, other=-1)
+
+    @gluon.jit
+    def _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                     K_STAGES: gl.constexpr):
+        """cp.async tile it's rows (zero-filled holes and tokens past the split, so V is finite) into its K stage,
+        publish its 0 / -inf token bias, and have the gathering warpgroup arrive on k_ready[stage]."""
+        stage = it % K_STAGES
+        ok = slot >= 0
+        valid = gl.expand_dims(ok, 1)
+        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, _ROW_LAYOUT))
+        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, _ROW_LAYOUT))
+        # the stage is free once the consumers' Q.K and the conversion of tile it - K_STAGES are done
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
+        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
+        # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
+        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
+        # every thread arrives (count 128) once its copies have landed; one more, ordinary arrive (release: after
+        # the partition's barrier) publishes the bias store
+        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+        mbarrier.arrive(k_ready.index(stage))
+
+    @gluon.jit
+    def _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j,
+                      BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr):
+        """Tile j's latent e4m3 -> fp16 (exact) into the V16 ring, a half (BLOCK_N x 256, one consumer's columns) at
+        a time: half h is use u = 2 j + h of slot u % V_SLOTS; then release the K stage (k_empty)."""
+        # a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores); lanes 8 rows x 4 as
+        # _ROW_LAYOUT, so the swizzled V16 stores are conflict-free too; the warps tile CVT_ROWS x 256 exactly
+        CVT_WR: gl.constexpr = CVT_ROWS // 8
+        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [CVT_WR, 4 // CVT_WR], [1, 0])
+        cstage = j % K_STAGES
+        mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
+        k_cur = k_lat_s.index(cstage)
+        for half in gl.static_range(2):
+            # each half has its own barriers: consumer WG0 need not wait for WG1's P.V to get its half
+            u = 2 * j + half
+            mbarrier.wait(v_empty.index(u % V_SLOTS), ((u // V_SLOTS) & 1) ^ 1)
+            v_dst = v16_s.index(u % V_SLOTS)
+            for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
+                x = k_cur.slice(half * 256, 256, dim=1).slice(r0, CVT_ROWS, dim=0).load(cvt_layout)
+                v_dst.slice(r0, CVT_ROWS, dim=0).store(x.to(gl.float16))
+            fence_async_shared()
+            mbarrier.arrive(v_ready.index(u % V_SLOTS))
+        mbarrier.arrive(k_empty.index(cstage))
+
     @gluon.jit
     def _producer(
         k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
@@ -383,68 +440,51 @@ if gl is not None:
 
         Iteration it issues the gather of tile it and converts tile it - LAG (1 <= LAG <= K_STAGES - 1): the
         conversion waits for that tile's bytes, so LAG + 1 tiles' gathers are in flight while it waits."""
-        # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each
-        # gathered row, and 32 distinct 16-byte bank groups in the 128-byte-swizzled ring (a warp on one 512-byte
-        # row hit the same banks four times: ncu, NOTES v6). A thread then needs 2 slots a tile, not 16.
-        row_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        # conversion: a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores); lanes 8 rows x 4
-        # as above, so the swizzled V16 stores are conflict-free too; the warps tile CVT_ROWS x 256 exactly
-        CVT_WR: gl.constexpr = CVT_ROWS // 8
-        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [CVT_WR, 4 // CVT_WR], [1, 0])
-
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, row_layout))
-        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
-        tok = gl.arange(0, BLOCK_N, gl.SliceLayout(1, row_layout))
         # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion;
         # SLOT_AHEAD 2: two tiles ahead, issued after the conversion (its fence waited on the load in flight:
         # ncu of the few-heads kernel, NOTES v8)
-        slot = gl.load(s_base + start + tok, mask=start + tok < end, other=-1)
+        slot = _load_slots(s_base, start, end, 0, BLOCK_N)
         slot_n = slot
         if SLOT_AHEAD == 2:
-            slot_n = gl.load(s_base + start + BLOCK_N + tok, mask=start + BLOCK_N + tok < end, other=-1)
+            slot_n = _load_slots(s_base, start, end, 1, BLOCK_N)
         for it in range(num_tiles + LAG):
             if it < num_tiles:
-                stage = it % K_STAGES
-                ok = slot >= 0
-                valid = gl.expand_dims(ok, 1)
-                row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
-                # the stage is free once the consumers' Q.K and our conversion of tile it - K_STAGES are done
-                mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-                async_copy.async_copy_global_to_shared(
-                    k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
-                async_copy.async_copy_global_to_shared(
-                    k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
-                # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
-                bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
-                # every producer thread arrives (count 128) once its copies have landed; one more, ordinary
-                # arrive (release: after the partition's barrier) publishes the bias store
-                async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
-                mbarrier.arrive(k_ready.index(stage))
+                _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
                 if SLOT_AHEAD == 2:
                     slot = slot_n
                 else:
-                    offs_next = start + (it + 1) * BLOCK_N + tok
-                    slot = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
+                    slot = _load_slots(s_base, start, end, it + 1, BLOCK_N)
             if it >= LAG:
-                j = it - LAG
-                cstage = j % K_STAGES
-                mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
-                k_cur = k_lat_s.index(cstage)
-                for half in gl.static_range(2):
-                    # each half has its own barriers: consumer WG0 need not wait for WG1's P.V to get its half
-                    u = 2 * j + half
-                    mbarrier.wait(v_empty.index(u % V_SLOTS), ((u // V_SLOTS) & 1) ^ 1)
-                    v_dst = v16_s.index(u % V_SLOTS)
-                    for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
-                        x = k_cur.slice(half * 256, 256, dim=1).slice(r0, CVT_ROWS, dim=0).load(cvt_layout)
-                        v_dst.slice(r0, CVT_ROWS, dim=0).store(x.to(gl.float16))
-                    fence_async_shared()
-                    mbarrier.arrive(v_ready.index(u % V_SLOTS))
-                mbarrier.arrive(k_empty.index(cstage))
+                _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - LAG,
+                              BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
             if SLOT_AHEAD == 2:
-                offs_next = start + (it + 2) * BLOCK_N + tok
-                slot_n = gl.load(s_base + offs_next, mask=offs_next < end, other=-1)
+                slot_n = _load_slots(s_base, start, end, it + 2, BLOCK_N)
+
+    @gluon.jit
+    def _gatherer(
+        k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+    ):
+        """The gathers of _producer in a warpgroup of their own (the conversion in _converter's): slots loaded two
+        tiles ahead, each tile's cp.async issued as soon as its K stage is free."""
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        slot = _load_slots(s_base, start, end, 0, BLOCK_N)
+        slot_n = _load_slots(s_base, start, end, 1, BLOCK_N)
+        for it in range(num_tiles):
+            _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
+            slot = slot_n
+            slot_n = _load_slots(s_base, start, end, it + 2, BLOCK_N)
+
+    @gluon.jit
+    def _converter(
+        k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """The conversions of _producer in a warpgroup of their own, each as soon as its tile has landed."""
+        for j in range(num_tiles):
+            _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j, BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
     @gluon.jit
     def gluon_decode_kernel(

@@ -166,6 +166,7 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         LAG: gl.constexpr,  # the producer converts tile it - LAG after issuing tile it's gather
         SLOT_AHEAD: gl.constexpr,  # the producer loads a tile's slots 1 or 2 tiles before its gather
+        SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (LAG, SLOT_AHEAD: 2 implied)
     ):
         """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
         split = gl.program_id(1)
@@ -216,21 +217,42 @@ if gd.gl is not None:
         q_rope_s.store(q_rope)
         fence_async_shared()
 
-        gl.warp_specialize(
-            [
-                (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
-                                 k_ready, k_empty, v_ready, v_empty,
-                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, num_tiles, H, num_splits,
-                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 BH, K_STAGES, V_SLOTS)),
-                (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
-                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG, SLOT_AHEAD)),
-            ],
-            [4],
-            [PRODUCER_REGS],
-        )
+        # (the consumer's arguments are spelled out in both calls: a tuple variable loses its constexprs)
+        if SPLIT_PRODUCER:
+            # gathers and conversions in warpgroups of their own (registers: the consumer gets 504 - 120 - 128)
+            gl.warp_specialize(
+                [
+                    (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
+                                     k_ready, k_empty, v_ready, v_empty,
+                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                     row, split, num_tiles, H, num_splits,
+                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                     BH, K_STAGES, V_SLOTS)),
+                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                    _BN, K_STAGES)),
+                    (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+                ],
+                [4, 4],
+                [120, 128],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
+                                     k_ready, k_empty, v_ready, v_empty,
+                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                     row, split, num_tiles, H, num_splits,
+                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                     BH, K_STAGES, V_SLOTS)),
+                    (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
+                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG, SLOT_AHEAD)),
+                ],
+                [4],
+                [PRODUCER_REGS],
+            )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -250,6 +272,9 @@ class FewHeadsParams:
     # the producer loads a tile's slots this many tiles before its gather (2: after the previous conversion, whose
     # fence otherwise waits on the load; ncu of v2 had the producer in long_sb waits on the slots)
     slot_ahead: int = 2
+    # gathers (gluon_decode._gatherer) and conversions (_converter) in two warpgroups, 12 warps: the gathers never
+    # wait behind a conversion; lag_slack, slot_ahead and producer_regs then do not apply
+    split_producer: bool = True
 
     def __post_init__(self) -> None:
         if self.slot_ahead not in (1, 2):
@@ -283,7 +308,8 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs, LAG=params.lag(), SLOT_AHEAD=params.slot_ahead)
+                PRODUCER_REGS=params.producer_regs, LAG=params.lag(), SLOT_AHEAD=params.slot_ahead,
+                SPLIT_PRODUCER=params.split_producer)
 
 
 def few_heads_verified() -> bool:
