@@ -38,9 +38,8 @@ CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / 192.0**0.5 * 0.25 * 0.125
 OSCALE = 0.125
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config
-VARIANTS: dict[str, dict] = {"few": {}, "few-joined": {"split_producer": False},
-                             "few-joined-slot1": {"split_producer": False, "slot_ahead": 1},
-                             "few-k4v2": {"k_stages": 4, "v_slots": 2}, "few-k2v4": {"k_stages": 2, "v_slots": 4}}
+VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
+                             "few-joined": {"split_producer": False}}
 
 
 def _config(name: str, heads: int) -> td.Config:

@@ -46,8 +46,7 @@ OSCALE = 0.125
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-v2": {"v_slots": 2},
                                    "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
                                    "gluon-no-qk-split": {"qk_split": False},
-                                   "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True},
-                                   "gluon-slot2": {"slot_ahead": 2}}
+                                   "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True}}
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):

@@ -51,13 +51,12 @@ class Case:
     pv_first: bool = True
     qk_split: bool = False
     cvt_rows: int = 32
-    slot_ahead: int = 1
 
     def params(self) -> GluonParams:
         """The kernel's compile-time shape for this case (raises ValueError for one it cannot take)."""
         return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, lazy=self.lazy,
                            pingpong=self.pingpong, pv_first=self.pv_first, qk_split=self.qk_split,
-                           cvt_rows=self.cvt_rows, slot_ahead=self.slot_ahead)
+                           cvt_rows=self.cvt_rows)
 
 
 CASES = [
@@ -95,10 +94,6 @@ CASES = [
     Case(33, 96, 1024, splits=1, v_slots=2, qk_split=True),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, qk_split=True),
     Case(320, 128, 2048, qk_split=True),
-    Case(5, 128, 2048, splits=1, qk_split=True, slot_ahead=2),
-    Case(19, 96, 1024, splits=2, qk_split=True, slot_ahead=2),
-    Case(33, 128, 128, splits=1, qk_split=True, slot_ahead=2),
-    Case(320, 128, 2048, qk_split=True, slot_ahead=2),
     Case(5, 128, 2048, splits=1, pingpong=True, pv_first=False),
     Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, pv_first=False),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, pv_first=False),
@@ -145,7 +140,7 @@ def _poisoned(rows: int, heads: int):
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-qks{int(c.qk_split)}-cvt{c.cvt_rows}-sa{c.slot_ahead}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-qks{int(c.qk_split)}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)

@@ -78,7 +78,7 @@ def test_kernel_choice(fmt: str, heads: int) -> None:
 
 def test_few_heads_params_reject_bad_shapes() -> None:
     assert FewHeadsParams().smem_bytes() <= 227 * 1024
-    FewHeadsParams(k_stages=4, v_slots=2)
+    FewHeadsParams(k_stages=3, v_slots=3)
     with pytest.raises(ValueError, match="shared memory"):
         FewHeadsParams(k_stages=4, v_slots=3)
     with pytest.raises(ValueError, match="k_stages"):

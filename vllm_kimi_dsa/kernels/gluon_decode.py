@@ -434,32 +434,20 @@ if gl is not None:
         k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-        LAG: gl.constexpr = 1, SLOT_AHEAD: gl.constexpr = 1,
     ):
-        """The producer warpgroup: cp.async gathers into the K ring, then e4m3 -> fp16 of the latent into V16.
-
-        Iteration it issues the gather of tile it and converts tile it - LAG (1 <= LAG <= K_STAGES - 1): the
-        conversion waits for that tile's bytes, so LAG + 1 tiles' gathers are in flight while it waits."""
+        """The producer warpgroup: iteration it gathers tile it into the K ring, then converts tile it - 1's
+        latent e4m3 -> fp16 into V16. (Converting further behind, or loading the slots two tiles ahead after the
+        conversion, measured slower: NOTES v8.)"""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion;
-        # SLOT_AHEAD 2: two tiles ahead, issued after the conversion (its fence waited on the load in flight:
-        # ncu of the few-heads kernel, NOTES v8)
+        # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
         slot = _load_slots(s_base, start, end, 0, BLOCK_N)
-        slot_n = slot
-        if SLOT_AHEAD == 2:
-            slot_n = _load_slots(s_base, start, end, 1, BLOCK_N)
-        for it in range(num_tiles + LAG):
+        for it in range(num_tiles + 1):
             if it < num_tiles:
                 _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
-                if SLOT_AHEAD == 2:
-                    slot = slot_n
-                else:
-                    slot = _load_slots(s_base, start, end, it + 1, BLOCK_N)
-            if it >= LAG:
-                _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - LAG,
+                slot = _load_slots(s_base, start, end, it + 1, BLOCK_N)
+            if it > 0:
+                _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - 1,
                               BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
-            if SLOT_AHEAD == 2:
-                slot_n = _load_slots(s_base, start, end, it + 2, BLOCK_N)
 
     @gluon.jit
     def _gatherer(
@@ -467,8 +455,8 @@ if gl is not None:
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
     ):
-        """The gathers of _producer in a warpgroup of their own (the conversion in _converter's): slots loaded two
-        tiles ahead, each tile's cp.async issued as soon as its K stage is free."""
+        """The gathers of _producer in a warpgroup of their own (the conversions in _converter's): slots loaded two
+        tiles ahead (no fence here to wait on them), each tile's cp.async issued as soon as its K stage is free."""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         slot = _load_slots(s_base, start, end, 0, BLOCK_N)
         slot_n = _load_slots(s_base, start, end, 1, BLOCK_N)
@@ -504,7 +492,6 @@ if gl is not None:
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
-        SLOT_AHEAD: gl.constexpr,  # the producer loads a tile's slots 1 or 2 tiles before its gather
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
@@ -586,7 +573,7 @@ if gl is not None:
                                        1, BLOCK_N, K_STAGES, V_SLOTS)),
                     (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                  kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS, 1, SLOT_AHEAD)),
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -606,7 +593,7 @@ if gl is not None:
                                  1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
                     (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                  kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS, 1, SLOT_AHEAD)),
+                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -632,13 +619,10 @@ class GluonParams:
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
-    slot_ahead: int = 1  # the producer loads a tile's slots 1 or 2 tiles before its gather (_producer)
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
-        if self.slot_ahead not in (1, 2):
-            raise ValueError(f"slot_ahead must be 1 or 2, got {self.slot_ahead}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
         if self.qk_split and self.lazy:
@@ -669,7 +653,7 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, LAZY=params.lazy,
                 PINGPONG=params.pingpong, PV_FIRST=params.pv_first, QK_SPLIT=params.qk_split, CVT_ROWS=params.cvt_rows,
-                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs, SLOT_AHEAD=params.slot_ahead)
+                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
@@ -713,7 +697,6 @@ def gluon_sparse_mla_decode(
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
-    slot_ahead: int = 1,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -736,7 +719,7 @@ def gluon_sparse_mla_decode(
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, lazy=lazy, pingpong=pingpong,
                          pv_first=pv_first, qk_split=qk_split, cvt_rows=cvt_rows, consumer_regs=consumer_regs,
-                         producer_regs=producer_regs, slot_ahead=slot_ahead)
+                         producer_regs=producer_regs)
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:

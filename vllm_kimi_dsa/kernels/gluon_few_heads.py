@@ -4,11 +4,12 @@ With few heads a row the decode is bound by the gathered bytes (576 a token), no
 design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
 M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it replaces on Hopper:
 
-- 8 warps, 1 CTA an SM. Same grid (1 head block, splits, rows), runtime arguments, split scratch and
+- 1 CTA an SM. Same grid (1 head block, splits, rows), runtime arguments, split scratch and
   `_combine_kernel` as `triton_decode._decode_kernel`.
-- The producer warpgroup is gluon_decode's `_producer`: cp.async gathers of each 64-token tile into a K ring of
-  K_STAGES (36 KB each) with the 0 / -inf token bias, and the latent e4m3 -> fp16 conversion into a V16 ring of half
-  tiles (64 x 256 fp16) K_STAGES - 1 tiles behind the gathers (LAG), so that many tiles' rows are in flight.
+- Two producer warpgroups, gluon_decode's `_gatherer` and `_converter` (12 warps in all): cp.async gathers of each
+  64-token tile into a K ring of K_STAGES (36 KB each) with the 0 / -inf token bias, and the latent e4m3 -> fp16
+  conversion into a V16 ring of half tiles (64 x 256 fp16), each as soon as its tile has landed. (split_producer=
+  False: gluon_decode's one-warpgroup `_producer`, 8 warps.)
 - One consumer warpgroup (the default partition): S^T = K Q^T (64 tokens x BH heads; fp8 wgmma, A = the K stage,
   B = Q^T, both from shared memory), the online softmax down the tokens (one cross-warp max a tile; the row sums
   stay per thread until the end), P^T -> fp16 into shared memory, then O^T (512 x BH, two 256-row halves) +=
@@ -42,7 +43,7 @@ MAX_HEADS = BLOCK_H
 SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
 # by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
-VERIFIED_TRITON: tuple[str, ...] = ()
+VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
 
 if gd.gl is not None:
     gl = gd.gl
@@ -164,9 +165,7 @@ if gd.gl is not None:
         V_SLOTS: gl.constexpr,
         CVT_ROWS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
-        LAG: gl.constexpr,  # the producer converts tile it - LAG after issuing tile it's gather
-        SLOT_AHEAD: gl.constexpr,  # the producer loads a tile's slots 1 or 2 tiles before its gather
-        SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (LAG, SLOT_AHEAD: 2 implied)
+        SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
     ):
         """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
         split = gl.program_id(1)
@@ -248,7 +247,7 @@ if gd.gl is not None:
                                      BH, K_STAGES, V_SLOTS)),
                     (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS, LAG, SLOT_AHEAD)),
+                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
                 ],
                 [4],
                 [PRODUCER_REGS],
@@ -262,23 +261,18 @@ if gd.gl is not None:
 class FewHeadsParams:
     """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report)."""
 
-    k_stages: int = 3  # K ring depth (36 KB a stage): the gathers in flight
-    v_slots: int = 3  # fp16 V16 ring of half tiles (32 KB each)
+    # K ring depth (36 KB a stage: the gathers in flight) and the fp16 V16 ring of half tiles (32 KB each): 4 / 2
+    # measured 161.0 µs at 320 rows, H=16, against 165.8 for 3 / 3 and 171.9 for 2 / 4 (few-heads-v3)
+    k_stages: int = 4
+    v_slots: int = 2
     cvt_rows: int = gd.DEFAULT_CVT_ROWS
     producer_regs: int = 96
-    # the producer converts tile it - (k_stages - 1 - lag_slack) after issuing tile it's gather; 0 keeps every
-    # stage but the one being converted in flight (few-heads-v1 converted one tile behind: ~2 tiles in flight)
-    lag_slack: int = 0
-    # the producer loads a tile's slots this many tiles before its gather (2: after the previous conversion, whose
-    # fence otherwise waits on the load; ncu of v2 had the producer in long_sb waits on the slots)
-    slot_ahead: int = 2
     # gathers (gluon_decode._gatherer) and conversions (_converter) in two warpgroups, 12 warps: the gathers never
-    # wait behind a conversion; lag_slack, slot_ahead and producer_regs then do not apply
+    # wait behind a conversion (few-heads-v3: 165.8 vs 168.4 µs at 320 rows, H=16); False: gluon_decode._producer
+    # (one warpgroup, 8 warps), and producer_regs applies
     split_producer: bool = True
 
     def __post_init__(self) -> None:
-        if self.slot_ahead not in (1, 2):
-            raise ValueError(f"slot_ahead must be 1 or 2, got {self.slot_ahead}")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -286,10 +280,6 @@ class FewHeadsParams:
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
-
-    def lag(self) -> int:
-        """Tiles the producer's conversion trails its gathers (K_STAGES - 1 - lag_slack): more gathers in flight."""
-        return max(1, self.k_stages - 1 - self.lag_slack)
 
     def smem_bytes(self) -> int:
         """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
@@ -308,8 +298,7 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs, LAG=params.lag(), SLOT_AHEAD=params.slot_ahead,
-                SPLIT_PRODUCER=params.split_producer)
+                PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer)
 
 
 def few_heads_verified() -> bool:
