@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Compile the Gluon decode kernel (kernels/gluon_decode.py) for sm_90 on any machine (no GPU) and report its SASS.
+"""Compile a Gluon decode kernel (kernels/gluon_decode.py, kernels/gluon_few_heads.py) for sm_90 on any machine (no
+GPU) and report its SASS.
 
 Per config: shared memory, the setmaxnreg budget of each partition, ptxas' spill and wgmma-serialization notes,
 and each hot loop (a backward branch over > 50 instructions: the two consumers' tile loops hold QGMMA, the
 producer's holds LDGSTS) with its length, spills inside it and its instruction mix. Costs no device time; use the
 Triton the H200 runs (3.6) for numbers that match it:
 
-    /tmp/t36/bin/python benchmarks/gluon_report.py [--sass-dir DIR]
+    /tmp/t36/bin/python benchmarks/gluon_report.py [--kernel gluon|few] [--config k=v,...] [--sass-dir DIR]
 """
 
 from __future__ import annotations
@@ -35,21 +36,28 @@ SIGNATURE = dict(
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
 # GluonParams overrides: the default, then one field changed at a time
+FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}]
 CONFIGS = [{}, {"pv_first": False}, {"v_slots": 2}, {"lazy": True}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
             "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")
 
 
-def compile_gluon(**overrides):
-    """Compile gluon_decode_kernel for sm_90a with GluonParams(**overrides)."""
+def compile_gluon(kernel: str = "gluon", **overrides):
+    """Compile a Gluon decode kernel for sm_90a: "gluon" (gluon_decode_kernel with GluonParams(**overrides)) or
+    "few" (gluon_few_heads.few_heads_kernel with FewHeadsParams(**overrides))."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from vllm_kimi_dsa.kernels import gluon_decode as g
+    if kernel == "few":
+        from vllm_kimi_dsa.kernels import gluon_few_heads as g
 
-    fn = g.gluon_decode_kernel
-    base = g.GluonParams()
+        fn, params_cls = g.few_heads_kernel, g.FewHeadsParams
+    else:
+        from vllm_kimi_dsa.kernels import gluon_decode as g
+
+        fn, params_cls = g.gluon_decode_kernel, g.GluonParams
+    base = params_cls()
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
-    consts = g.kernel_constexprs(g.GluonParams(**overrides))
+    consts = g.kernel_constexprs(params_cls(**overrides))
     sig = dict(SIGNATURE)
     sig.update({k: "constexpr" for k in consts})
     # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
@@ -57,7 +65,6 @@ def compile_gluon(**overrides):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4})
-
 
 
 def analyze(kernel) -> dict[str, object]:
@@ -94,7 +101,8 @@ def analyze(kernel) -> dict[str, object]:
                 mix[op.split(".")[0]] += 1
             if mix["QGMMA"] and mix["LDGSTS"]:
                 continue  # a branch around several partitions (the warp-specialize dispatch), not a tile loop
-            kind = "consumer" if mix["QGMMA"] else "producer" if mix["LDGSTS"] else "other"
+            kind = ("consumer" if mix["QGMMA"] else "producer" if mix["LDGSTS"] else "converter" if mix["F2FP"]
+                    else "other")
             loops.append({"kind": kind, "start": hex(target), "len": len(body),
                           "ops": {o: mix[o] for o in LOOP_OPS if mix[o]}})
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
@@ -114,15 +122,20 @@ def analyze(kernel) -> dict[str, object]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each config's SASS, PTX and TTGIR here")
+    p.add_argument("--kernel", choices=("gluon", "few"), default="gluon",
+                   help="gluon_decode_kernel (64 heads a CTA) or gluon_few_heads.few_heads_kernel (<= 16 heads)")
     p.add_argument("--config", action="append", default=[],
-                   help="GluonParams overrides as field=value,... e.g. lazy=1,cvt_rows=16 (repeatable; default: a list)")
+                   help="GluonParams / FewHeadsParams overrides as field=value,... e.g. lazy=1,cvt_rows=16 "
+                        "(repeatable; default: a list)")
     a = p.parse_args()
-    print(f"triton {triton.__version__}, target sm_90a, gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
+    what = ("few_heads_kernel (consumer WG0, gatherer WG1, converter WG2)" if a.kernel == "few"
+            else "gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
+    print(f"triton {triton.__version__}, target sm_90a, {what}")
     given = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",") if kv} for c in a.config]
-    for cfg in given or CONFIGS:
+    for cfg in given or (FEW_CONFIGS if a.kernel == "few" else CONFIGS):
         name = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
         try:
-            k = compile_gluon(**cfg)
+            k = compile_gluon(a.kernel, **cfg)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: COMPILE FAILED: {str(e).splitlines()[-1][:200]}")
             continue

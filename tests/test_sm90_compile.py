@@ -44,7 +44,8 @@ _GLUON_COMPILE = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import gluon_report
-k = gluon_report.compile_gluon(**json.loads(sys.argv[1]))
+args = json.loads(sys.argv[1])
+k = gluon_report.compile_gluon(args.pop("kernel", "gluon"), **args)
 s = gluon_report.analyze(k)
 print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores")}
                  | {"kinds": sorted({lp["kind"] for lp in s["loops"]})}))
@@ -53,9 +54,11 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 
 @pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("overrides", [{}, {"qk_split": False}], ids=["default", "no_qk_split"])
+@pytest.mark.parametrize("overrides", [{}, {"qk_split": False}, {"kernel": "few"}, {"kernel": "few", "split_producer": False}],
+                         ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
-    """The default (qk_split) and the redundant-Q.K consumers. In a process of its own too: Triton's own `tl`
+    """The 64-head kernel's default (qk_split) and redundant-Q.K consumers; the few-heads kernel with two producer
+    warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
     helpers that Gluon calls (gl.max, ...) are interpreted functions once the tests set TRITON_INTERPRET, and
     Gluon cannot compile those."""
     r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, json.dumps(overrides)], capture_output=True,
@@ -66,3 +69,5 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     assert s["shared"] <= 227 * 1024
     assert s["spill_stores"] is not None and s["spill_stores"] <= 256, f"{s['spill_stores']} bytes of spill stores"
     assert {"consumer", "producer"} <= set(s["kinds"]), f"expected a consumer and a producer tile loop: {s['kinds']}"
+    if overrides.get("kernel") == "few" and overrides.get("split_producer", True):
+        assert "converter" in s["kinds"], f"expected the converter warpgroup's loop: {s['kinds']}"
