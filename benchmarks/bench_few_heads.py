@@ -39,7 +39,7 @@ SSCALE = 1.0 / 192.0**0.5 * 0.25 * 0.125
 OSCALE = 0.125
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
-                             "few-joined": {"split_producer": False}}
+                             "few-joined": {"split_producer": False}, "few-l2pf": {"l2_prefetch": True}}
 
 
 def _config(name: str, heads: int) -> td.Config:

@@ -87,6 +87,9 @@ def test_few_heads_params_reject_bad_shapes() -> None:
         FewHeadsParams(cvt_rows=64)
     with pytest.raises(ValueError, match="producer_regs"):
         FewHeadsParams(producer_regs=50)
+    FewHeadsParams(l2_prefetch=True)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        FewHeadsParams(l2_prefetch=True, split_producer=False)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")
@@ -114,3 +117,15 @@ def test_gluon_split_picks_match_the_h200_probe() -> None:
     picks = {rows: choose_splits(rows, 128, 2048, cfg, 132) for rows in (5, 20, 80, 320)}
     assert picks[5] == 11 and picks[20] == 3 and picks[80] in (2, 3) and picks[320] == 1, picks
     assert default_config(128, "fp8").split_tiles == 0.0
+
+
+def test_few_heads_split_picks_match_the_h200_probe() -> None:
+    """choose_splits with few_heads_config picks what the H200 probe (bench_few_heads --splits, H = 16, results/
+    h200-2026-12-03/few-heads-v1/few_heads_bench.json) and the bench beside it measured fastest: 16 at 5 rows
+    (11.3 µs vs 14.2 at 8 and 15.6 at 32), 3 at 80 (53.0 vs 57.5 at 1, 67.0 at 2, 59.7 at 4), 2 at 320 (167.5 vs
+    170.3 at 1 and 185.9 at 3)."""
+    from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_config
+
+    for heads in (16, 12):
+        picks = {rows: choose_splits(rows, heads, 2048, few_heads_config(), 132) for rows in (5, 80, 320)}
+        assert picks == {5: 16, 80: 3, 320: 2}, picks

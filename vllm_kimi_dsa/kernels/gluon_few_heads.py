@@ -38,8 +38,9 @@ from vllm_kimi_dsa.kernels import triton_decode as td
 BLOCK_N = 64  # tokens a tile: the wgmma M of S^T
 BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queries, masked at the store)
 MAX_HEADS = BLOCK_H
-# A split CTA's BH x 512 fp32 partial (32 KB at BH 16) written and read back by the combine: about 2 tiles of
-# this kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count, not yet fitted.
+# A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
+# kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
+# rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
 SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
 # by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
@@ -166,6 +167,7 @@ if gd.gl is not None:
         CVT_ROWS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
+        L2_PREFETCH: gl.constexpr,  # the gatherer prefetches tile it + 3's rows to L2 (SPLIT_PRODUCER only)
     ):
         """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
         split = gl.program_id(1)
@@ -229,7 +231,7 @@ if gd.gl is not None:
                                      BH, K_STAGES, V_SLOTS)),
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES)),
+                                    _BN, K_STAGES, L2_PREFETCH)),
                     (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
                                      _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
                 ],
@@ -271,12 +273,17 @@ class FewHeadsParams:
     # wait behind a conversion (few-heads-v3: 165.8 vs 168.4 µs at 320 rows, H=16); False: gluon_decode._producer
     # (one warpgroup, 8 warps), and producer_regs applies
     split_producer: bool = True
+    # the gatherer prefetches tile it + 3's rows into L2 before it waits for a free K stage (split_producer only).
+    # Prepared after the last device run (NOTES v8, next step 1): compiled for sm_90a, NOT yet run on a GPU
+    l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in [56, 256], got {self.producer_regs}")
+        if self.l2_prefetch and not self.split_producer:
+            raise ValueError("l2_prefetch needs split_producer (the gatherer warpgroup issues it)")
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
@@ -298,7 +305,8 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer)
+                PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
+                L2_PREFETCH=params.l2_prefetch)
 
 
 def few_heads_verified() -> bool:
