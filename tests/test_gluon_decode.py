@@ -194,25 +194,28 @@ def test_cuda_graph_replay(splits: int) -> None:
         gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                                 workspace=ws, splits=splits)
 
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+def replay_on_new_inputs(call, inputs, new_inputs, out, lse) -> None:
+    """Run `call` once outside a capture (compiles), capture it in a CUDA graph, copy `new_inputs` into `inputs`,
+    poison out / lse with NaN and replay: the caller then checks out / lse against the new inputs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call()  # compile outside the capture
+        call()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    q2, kv2, slots2, counts2, _, _ = _case(rows, heads, width, seed=22)
-    q.copy_(q2)
-    kv.copy_(kv2)
-    slots.copy_(slots2)
-    counts.copy_(counts2)
+    for dst, src in zip(inputs, new_inputs):
+        dst.copy_(src)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
 @GPU

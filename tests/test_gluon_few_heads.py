@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from test_gluon_decode import _case, _poisoned
+from test_gluon_decode import _case, _poisoned, replay_on_new_inputs
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason
@@ -131,22 +131,7 @@ def test_cuda_graph_replay(splits: int) -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                                     workspace=ws, splits=splits)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    q2, kv2, slots2, counts2, _, _ = _case(rows, heads, width, seed=22)
-    for dst, src in ((q, q2), (kv, kv2), (slots, slots2), (counts, counts2)):
-        dst.copy_(src)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
 

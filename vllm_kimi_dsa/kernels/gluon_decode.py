@@ -497,6 +497,17 @@ if gl is not None:
             _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j, BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
     @gluon.jit
+    def _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N: gl.constexpr):
+        """(start, end, tiles) of this split's token range, as triton_decode._split_range."""
+        count = gl.load(counts_ptr + row)
+        count = gl.minimum(gl.maximum(count, 0), K)
+        tiles = gl.cdiv(count, BLOCK_N)
+        per = gl.cdiv(tiles, num_splits)
+        start = split * per * BLOCK_N
+        end = gl.minimum(start + per * BLOCK_N, count)
+        return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+    @gluon.jit
     def gluon_decode_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -520,14 +531,7 @@ if gl is not None:
         split = gl.program_id(1)
         row = gl.program_id(2)
 
-        # the split's token range, as triton_decode._split_range
-        count = gl.load(counts_ptr + row)
-        count = gl.minimum(gl.maximum(count, 0), K)
-        tiles = gl.cdiv(count, BLOCK_N)
-        per = gl.cdiv(tiles, num_splits)
-        start = split * per * BLOCK_N
-        end = gl.minimum(start + per * BLOCK_N, count)
-        num_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N)
 
         q_lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         q_rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)

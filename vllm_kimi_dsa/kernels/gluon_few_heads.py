@@ -173,13 +173,7 @@ if gd.gl is not None:
         split = gl.program_id(1)
         row = gl.program_id(2)
 
-        count = gl.load(counts_ptr + row)
-        count = gl.minimum(gl.maximum(count, 0), K)
-        tiles = gl.cdiv(count, _BN)
-        per = gl.cdiv(tiles, num_splits)
-        start = split * per * _BN
-        end = gl.minimum(start + per * _BN, count)
-        num_tiles = gl.maximum(gl.cdiv(end - start, _BN), 0)
+        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
