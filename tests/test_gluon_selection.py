@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
@@ -129,3 +130,47 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
     for heads in (16, 12):
         picks = {rows: choose_splits(rows, heads, 2048, few_heads_config(), 132) for rows in (5, 80, 320)}
         assert picks == {5: 16, 80: 3, 320: 2}, picks
+
+
+@pytest.mark.skipif(gluon_decode.gl is None, reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+@pytest.mark.parametrize("which", ["gluon", "few"])
+def test_launchers_pass_every_kernel_argument(which: str) -> None:
+    """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
+    constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
+    from vllm_kimi_dsa.formats import LATENT_DIM
+    from vllm_kimi_dsa.kernels import gluon_few_heads
+    from vllm_kimi_dsa.kernels.triton_decode import make_workspace
+
+    seen: dict = {}
+
+    class FakeKernel:
+        def __init__(self, fn) -> None:
+            self.arg_names = fn.arg_names
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+            return run
+
+    rows, heads = 3, (128 if which == "gluon" else 12)
+    q = torch.zeros(rows, heads, 576, dtype=torch.float8_e4m3fn)
+    kv = torch.zeros(8, 576, dtype=torch.float8_e4m3fn)
+    slots = torch.zeros(rows, 128, dtype=torch.int32)
+    counts = torch.zeros(rows, dtype=torch.int32)
+    out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
+    if which == "gluon":
+        fn, params, mod = gluon_decode.gluon_decode_kernel, GluonParams(), gluon_decode
+    else:
+        fn, params, mod = gluon_few_heads.few_heads_kernel, FewHeadsParams(), gluon_few_heads
+    ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config())
+    real = getattr(mod, fn.__name__)
+    setattr(mod, fn.__name__, FakeKernel(fn))
+    try:
+        mod.launch(q, kv, slots, counts, out, None, 0.1, 1.0, ws, 1, params)
+    finally:
+        setattr(mod, fn.__name__, real)
+    names = list(fn.arg_names)
+    consts = set(seen["kwargs"]) - {"num_warps"}  # num_warps is a launch option, not a parameter
+    assert seen["grid"] == ((2 if which == "gluon" else 1), 1, rows)
+    assert len(seen["args"]) + len(consts) == len(names), (len(seen["args"]), sorted(consts), names)
+    assert consts == set(names[len(seen["args"]):])

@@ -682,23 +682,31 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
                 CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
-def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: GluonParams) -> Any:
-    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
+                  output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any]) -> Any:
+    """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
+    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments."""
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
-    compiled = gluon_decode_kernel[(triton.cdiv(heads, BLOCK_H), splits, rows)](
+    compiled = kernel[(head_blocks, splits, rows)](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
         heads, slots.shape[1], splits,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
-        **kernel_constexprs(params),
-        num_warps=4,  # the default partition (consumer WG0); the workers add 8 warps: 12 in all
+        **constexprs,
+        num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
     )
     td.combine(ws, out, lse_t, splits, output_scale)
     return compiled
+
+
+def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
+           ws: td.Workspace, splits: int, params: GluonParams) -> Any:
+    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+    return launch_kernel(gluon_decode_kernel, triton.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
+                         out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params))
 
 
 def gluon_sparse_mla_decode(

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.kernels import gluon_decode as gd
@@ -309,21 +308,10 @@ def few_heads_verified() -> bool:
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: FewHeadsParams) -> Any:
-    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
-    rows, heads = query.shape[0], query.shape[1]
-    splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
-    compiled = few_heads_kernel[(1, splits, rows)](
-        query, kv_rows, slots, counts,
-        out, lse_t, ws.part_out, ws.part_lse,
-        heads, slots.shape[1], splits,
-        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
-        out.stride(0), out.stride(1), lse_t.stride(0),
-        softmax_scale * gd.LOG2E, output_scale,
-        **kernel_constexprs(params),
-        num_warps=4,  # the consumer (default partition); the producer adds 4 warps
-    )
-    td.combine(ws, out, lse_t, splits, output_scale)
-    return compiled
+    """The main kernel (one head block) and the combine when splits > 1: inputs already checked, no allocation,
+    no sync."""
+    return gd.launch_kernel(few_heads_kernel, 1, query, kv_rows, slots, counts, out, lse, softmax_scale,
+                            output_scale, ws, splits, kernel_constexprs(params))
 
 
 def few_heads_sparse_mla_decode(
@@ -340,7 +328,7 @@ def few_heads_sparse_mla_decode(
     splits: int | None = None,
     params: FewHeadsParams | None = None,
 ) -> Any:
-    """Sparse MLA decode of an fp8 cache for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode.
+    """Sparse MLA decode of an fp8 cache for <= 16 heads with this file's kernel, as gluon_sparse_mla_decode.
 
     query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 16 (MAX_HEADS).
     Other arguments as triton_decode.sparse_mla_decode; workspace from make_workspace(config=params.config()).
