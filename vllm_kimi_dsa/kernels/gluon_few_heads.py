@@ -19,8 +19,9 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
   converting), each V16 half's v_empty 1.
 
 Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
-Not for nvfp4, > 16 heads (32 heads spill in the consumer: 128 accumulator registers), > 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says
-whether this process can run Gluon.
+Not for nvfp4, more than 16 heads (a 32-head consumer spills: 128 accumulator registers; > 32 heads run
+gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
+Gluon.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ class FewHeadsParams:
 
 
 def few_heads_config() -> td.Config:
-    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=8, num_stages=1, ctas_per_sm=1, imprecise=0,
+    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1, imprecise=0,
                      swap=True, split_tiles=SPLIT_TILES)
 
 
