@@ -32,6 +32,9 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
   that use, after its P.V), turn[2] (1: the other consumer).
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
 
+The producer is built from helpers (`_load_slots`, `_gather_tile`, `_convert_tile`) that gluon_few_heads.py's
+kernel also runs as two warpgroups (`_gatherer`, `_converter`); `_split_tiles` and `launch_kernel` serve both.
+
 Written against Gluon's 3.6 API (`gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)`); 3.8 compiles
 it too. The module imports on any machine (CPU, no Gluon) without error.
 """
