@@ -160,6 +160,8 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device) -> Call
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
         kernel(q, kv, slots, counts, out, None, block_size=BLOCK, rows_per_block_stride=BLOCK)
 
+    # which implementation TritonDecode picked: a Gluon kernel's params class, or the plain `tl` kernel
+    call.impl = type(kernel.gluon).__name__ if kernel.gluon is not None else "tl"  # type: ignore[attr-defined]
     return call
 
 
@@ -353,7 +355,8 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
                         calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, s), slots, counts, inp["outs"][s])
                                  for s in range(sets)]
                         us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
-                        return {**what, "fmt": fmt, "sets": sets, **metrics(rows, heads, us, fmt, 1, "fp8qk", ceil)}
+                        return {**what, "fmt": fmt, "sets": sets, "impl": call.impl,
+                                **metrics(rows, heads, us, fmt, 1, "fp8qk", ceil)}
 
                     rec = suite.guarded(what, run_triton)
                 else:
