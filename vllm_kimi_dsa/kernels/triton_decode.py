@@ -171,18 +171,9 @@ def _gather_nvfp4(kv_ptr, slot, stride_kv):
     return packed, sc, rope, valid
 
 
-@triton.jit
-def _e2m1_pairs_ptx(packed):
-    """Packed e2m1 bytes -> (low nibble, high nibble) as exact float16, 4 bytes per PRMT table lookup (SM80+).
-
-    The 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are float16 values whose low byte is 0, so their high bytes
-    (00 38 3C 3E 40 42 44 46) form an 8-entry byte table that one `prmt` indexes with 4 magnitude nibbles;
-    the sign bits are moved beside them with a second `prmt`, and a third spreads the bytes into fp16 halves.
-    ~2 instructions a value where the bit arithmetic of `_e2m1_to_f16` takes ~15 (SASS, benchmarks/NOTES).
-    `_e2m1_to_f16` is the twin the interpreter runs; tests compare both on all 256 bytes.
-    """
-    return tl.inline_asm_elementwise(
-        asm="""
+# 4 packed e2m1 bytes ($4) -> 4 low-nibble fp16 ($0, $1: two fp16x2) and 4 high-nibble fp16 ($2, $3), exact; the
+# byte-table decode of _e2m1_pairs_ptx (also gluon_few_heads' nvfp4 converter): pack=4, constraints "=r,=r,=r,=r,r"
+E2M1_PAIRS_PTX = tl.constexpr("""
         {
         .reg .b32 m, mh, tlo, thi, l1, l2, se, so, g1, g2;
         and.b32 m, $4, 0x77777777;
@@ -203,7 +194,21 @@ def _e2m1_pairs_ptx(packed):
         prmt.b32 $2, l1, 0, 0x3414;
         prmt.b32 $3, l2, 0, 0x3414;
         }
-        """,
+        """)
+
+
+@triton.jit
+def _e2m1_pairs_ptx(packed):
+    """Packed e2m1 bytes -> (low nibble, high nibble) as exact float16, 4 bytes per PRMT table lookup (SM80+).
+
+    The 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are float16 values whose low byte is 0, so their high bytes
+    (00 38 3C 3E 40 42 44 46) form an 8-entry byte table that one `prmt` indexes with 4 magnitude nibbles;
+    the sign bits are moved beside them with a second `prmt`, and a third spreads the bytes into fp16 halves.
+    ~2 instructions a value where the bit arithmetic of `_e2m1_to_f16` takes ~15 (SASS, benchmarks/NOTES).
+    `_e2m1_to_f16` is the twin the interpreter runs; tests compare both on all 256 bytes.
+    """
+    return tl.inline_asm_elementwise(
+        asm=E2M1_PAIRS_PTX,
         constraints="=r,=r,=r,=r,r",
         args=[packed],
         dtype=(tl.float16, tl.float16),
