@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Time the few-heads Gluon decode (kernels/gluon_few_heads.py) against the Triton kernel's default config on one
-H200: fp8 cache, H = 16 and 12, K = 2048, against the copy bandwidth measured in the same run.
+H200: fp8 cache (and nvfp4_ds_mla: "-nvfp4" names), H = 16 and 12, K = 2048, against the copy bandwidth measured in
+the same run.
 
 Same method as bench_gluon.py: one process, each call inside a CUDA graph rotating over input sets larger than 2x
 the L2, accuracy against the float32 reference first (5 rows, holes, a count-0 row). The floor of a call is its
@@ -37,19 +38,29 @@ K = 2048
 CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / 192.0**0.5 * 0.25 * 0.125
 OSCALE = 0.125
-# name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config
+# name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
+# Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
-                             "few-joined": {"split_producer": False}, "few-l2pf": {"l2_prefetch": True}}
+                             "few-joined": {"split_producer": False}, "few-l2pf": {"l2_prefetch": True},
+                             "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True}}
+NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
+
+
+def _fmt(name: str) -> str:
+    return "nvfp4_ds_mla" if name.endswith("-nvfp4") else "fp8"
 
 
 def _config(name: str, heads: int) -> td.Config:
-    return td.default_config(heads, "fp8") if name == "triton" else FewHeadsParams(**VARIANTS[name]).config()
+    if name.startswith("triton"):
+        return td.default_config(heads, _fmt(name))
+    return FewHeadsParams(**VARIANTS[name]).config()
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
-    if name == "triton":
-        cfg = td.default_config(q.shape[1], "fp8")
-        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
+    if name.startswith("triton"):
+        fmt = _fmt(name)
+        cfg = td.default_config(q.shape[1], fmt)
+        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     params = FewHeadsParams(**VARIANTS[name])
     return lambda: few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
@@ -57,7 +68,7 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
 
 
 def _time(name: str, heads: int, rows: int, splits: int, kv, dev, g) -> float:
-    sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
+    sets = rotation_sets(rows * K * row_bytes(_fmt(name)), lo=1, hi=24)
     qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
     ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
     cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
@@ -79,7 +90,7 @@ def main() -> None:
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
     heads_list = [int(h) for h in a.heads.split(",")]
-    names = ["triton", *VARIANTS]
+    names = list(NAMES)
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -90,16 +101,22 @@ def main() -> None:
     ceil = ceilings(dev, quick=True)
     print(f"copy {ceil['copy_GBps']:.0f} GB/s (read + written)", flush=True)
     g = torch.Generator(device=dev).manual_seed(1)
-    kv = quantize_rows(torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8, "fp8")
+    x = torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8
+    caches = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
+    del x
     results: dict[str, dict] = {}
     for heads in heads_list:
         q5 = (torch.randn(5, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
         s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
         s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
         c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
-        ref, ref_lse = reference_decode(q5, kv, s5, c5, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE)
+        refs = {fmt: reference_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE)
+                for fmt, kv in caches.items()}
         for name in names:
             key = f"{name}/H{heads}"
+            fmt = _fmt(name)
+            kv = caches[fmt]
+            ref, ref_lse = refs[fmt]
             rec: dict = {"times": {}}
             results[key] = rec
             try:
@@ -126,7 +143,7 @@ def main() -> None:
             for rows in rows_list:
                 splits = td.choose_splits(rows, heads, K, cfg, sms)
                 us = _time(name, heads, rows, splits, kv, dev, g)
-                gbps = rows * K * row_bytes("fp8") / us / 1e3
+                gbps = rows * K * row_bytes(fmt) / us / 1e3
                 rec["times"][rows] = dict(us=us, splits=splits, kv_GBps=gbps, copy_frac=gbps / ceil["copy_GBps"])
                 print(f"{key:16s} rows {rows:4d}: {us:8.1f} us  splits {splits:2d}  {gbps:6.0f} GB/s  "
                       f"{gbps / ceil['copy_GBps']:.2f} of copy", flush=True)
@@ -135,11 +152,11 @@ def main() -> None:
         rows_s, counts_s = item.split(":")
         picked = td.choose_splits(int(rows_s), 16, K, _config("few", 16), sms)
         for sp in (int(c) for c in counts_s.split(",")):
-            us = _time("few", 16, int(rows_s), sp, kv, dev, g)
+            us = _time("few", 16, int(rows_s), sp, caches["fp8"], dev, g)
             probe.append(dict(rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
             print(f"splits probe H=16: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (picks {picked})", flush=True)
     print()
-    print(f"{'kernel':16s} " + " ".join(f"{r:>13d}" for r in rows_list) + "   (µs (fraction of copy), K=2048, fp8)")
+    print(f"{'kernel':16s} " + " ".join(f"{r:>13d}" for r in rows_list) + "   (µs (fraction of copy), K=2048)")
     for key, rec in results.items():
         cells = [f"{t['us']:7.1f} ({t['copy_frac']:.2f})" if (t := rec["times"].get(r)) else f"{'-':>13s}"
                  for r in rows_list]

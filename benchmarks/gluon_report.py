@@ -59,6 +59,8 @@ def compile_gluon(kernel: str = "gluon", **overrides):
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
     consts = g.kernel_constexprs(params_cls(**overrides))
     sig = dict(SIGNATURE)
+    if overrides.get("nvfp4"):
+        sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8
     sig.update({k: "constexpr" for k in consts})
     # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
     divisible = [n for n, t in SIGNATURE.items() if t.startswith("*") or n.startswith("stride") or n == "K"]

@@ -102,13 +102,13 @@ CASES = [
 ]
 
 
-def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099):
+def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099, fmt: str = "fp8"):
     """Fresh random inputs: N(0,1) rows (every 7th x8) quantized to fp8, e4m3 queries, slots with -1 holes and far
     out-of-range junk past counts; row 1 count 0, row 2 count 1, row 3 width - 1, row 4 all holes."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, 576, generator=g)
     x[::7] *= 8.0
-    kv = quantize_rows(x, "fp8")
+    kv = quantize_rows(x, fmt)
     q = (torch.randn(rows, heads, 576, generator=g) * 1.5).to(torch.float8_e4m3fn)
     slots = torch.randint(0, num_rows, (rows, width), generator=g, dtype=torch.int32)
     counts = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)

@@ -20,7 +20,12 @@ from test_gluon_decode import _case, _poisoned, replay_on_new_inputs
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason
-from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_config, few_heads_sparse_mla_decode
+from vllm_kimi_dsa.kernels.gluon_few_heads import (
+    FewHeadsParams,
+    few_heads_config,
+    few_heads_sparse_mla_decode,
+    nvfp4_params,
+)
 from vllm_kimi_dsa.reference import reference_decode
 
 GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
@@ -38,10 +43,16 @@ class Case:
     cvt_rows: int = 32
     split_producer: bool = True
     l2_prefetch: bool = False
+    nvfp4: bool = False
 
     def params(self) -> FewHeadsParams:
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, l2_prefetch=self.l2_prefetch)
+                              split_producer=self.split_producer, l2_prefetch=self.l2_prefetch, nvfp4=self.nvfp4)
+
+
+def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
+    """An nvfp4_ds_mla case, on nvfp4_params()'s ring shape unless kw says otherwise."""
+    return Case(rows, heads, width, **{"k_stages": 3, "v_slots": 4, "nvfp4": True, **kw})
 
 
 CASES = [
@@ -74,8 +85,9 @@ CASES = [
 ]
 
 
-def _check(out, lse, q, kv, slots, counts, ss, os_) -> None:
-    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=few_heads_config())
+def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
+    # nvfp4: latent logits in fp16 (exact products, fp32 sums), RoPE logits on fp8 wgmma: the fp8 bound applies
+    triton_check(out, lse, q, kv, slots, counts, fmt, ss, os_, config=few_heads_config(), wgmma=True)
 
 
 @GPU
@@ -135,6 +147,50 @@ def test_cuda_graph_replay(splits: int) -> None:
     _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
+# nvfp4_ds_mla (prepared after the last device run: these are its first GPU checks)
+NVFP4_CASES = [
+    nvfp4_case(1, 16, 2048, splits=1),
+    nvfp4_case(5, 12, 2048, splits=3),
+    nvfp4_case(7, 16, 1024),
+    nvfp4_case(33, 12, 128, splits=1),
+    nvfp4_case(19, 1, 1024, splits=2),
+    nvfp4_case(320, 16, 2048),
+    nvfp4_case(320, 12, 2048, splits=1),
+    nvfp4_case(5, 16, 2048, splits=1, cvt_rows=16),
+    nvfp4_case(7, 12, 2048, splits=1, cvt_rows=8),
+    nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
+]
+
+
+@GPU
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
+def test_nvfp4_matches_reference(case: Case) -> None:
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 3 + case.heads,
+                                          fmt="nvfp4_ds_mla")
+    out, lse = _poisoned(case.rows, case.heads)
+    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                splits=case.splits, params=case.params())
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_, fmt="nvfp4_ds_mla")
+
+
+@GPU
+def test_nvfp4_cuda_graph_replay() -> None:
+    rows, heads, width = 7, 12, 1024
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31, fmt="nvfp4_ds_mla")
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="nvfp4_ds_mla",
+                                      config=few_heads_config())
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                    workspace=ws, splits=3, params=nvfp4_params())
+
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=32, fmt="nvfp4_ds_mla")[:4],
+                         out, lse)
+    _check(out, lse, q, kv, slots, counts, ss, os_, fmt="nvfp4_ds_mla")
+
+
 @GPU
 def test_rejects_many_heads() -> None:
     q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
@@ -147,3 +203,8 @@ def test_rejects_many_heads() -> None:
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
     case.params()
+
+
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: f"nvfp4-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}")
+def test_nvfp4_cases_are_valid_params(case: Case) -> None:
+    assert case.params().nvfp4

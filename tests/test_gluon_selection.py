@@ -15,13 +15,14 @@ import torch
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
-from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified, nvfp4_params
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
 AUTO = HOPPER and gluon_verified()  # picked without being asked for
 AUTO_FEW = HOPPER and few_heads_verified()
+AUTO_FEW_NVFP4 = HOPPER and few_heads_verified("nvfp4_ds_mla")
 
 
 def _setup(fmt: str, heads: int) -> DecodeSetup:
@@ -67,7 +68,10 @@ def test_gluon_never_on_cpu() -> None:
                                        ("nvfp4_ds_mla", 128), ("nvfp4_ds_mla", 12)])
 def test_kernel_choice(fmt: str, heads: int) -> None:
     k = TritonDecode(_setup(fmt, heads))
-    want = fmt == "fp8" and (AUTO if heads > 32 else AUTO_FEW if heads <= 16 else False)
+    if heads <= 16:
+        want = AUTO_FEW if fmt == "fp8" else AUTO_FEW_NVFP4
+    else:
+        want = fmt == "fp8" and heads > 32 and AUTO
     assert (k.gluon is not None) == want
     if k.gluon is None:
         assert k.config == default_config(heads, fmt)
@@ -75,6 +79,7 @@ def test_kernel_choice(fmt: str, heads: int) -> None:
         assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
+        assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla")
 
 
 def test_few_heads_params_reject_bad_shapes() -> None:
@@ -91,6 +96,12 @@ def test_few_heads_params_reject_bad_shapes() -> None:
     FewHeadsParams(l2_prefetch=True)
     with pytest.raises(ValueError, match="l2_prefetch"):
         FewHeadsParams(l2_prefetch=True, split_producer=False)
+    assert nvfp4_params().smem_bytes() <= 227 * 1024 and nvfp4_params().nvfp4
+    for bad in (dict(v_slots=2), dict(split_producer=False, v_slots=4), dict(l2_prefetch=True, v_slots=4)):
+        with pytest.raises(ValueError, match="nvfp4"):
+            FewHeadsParams(k_stages=3, nvfp4=True, **bad)
+    with pytest.raises(ValueError, match="shared memory"):
+        FewHeadsParams(k_stages=4, v_slots=4, nvfp4=True)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")
@@ -102,6 +113,7 @@ def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TritonDecode(_setup("fp8", 128)).gluon is not None
     assert isinstance(TritonDecode(_setup("fp8", 12)).gluon, FewHeadsParams)
     assert TritonDecode(_setup("fp8", 32)).gluon is None  # 17..32 heads: no Gluon kernel
+    assert TritonDecode(_setup("nvfp4_ds_mla", 12)).gluon.nvfp4
     assert TritonDecode(_setup("nvfp4_ds_mla", 128)).gluon is None
 
 
@@ -133,7 +145,7 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
 
 
 @pytest.mark.skipif(gluon_decode.gl is None, reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("which", ["gluon", "few"])
+@pytest.mark.parametrize("which", ["gluon", "few", "few-nvfp4"])
 def test_launchers_pass_every_kernel_argument(which: str) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
     constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
@@ -154,14 +166,15 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
 
     rows, heads = 3, (128 if which == "gluon" else 12)
     q = torch.zeros(rows, heads, 576, dtype=torch.float8_e4m3fn)
-    kv = torch.zeros(8, 576, dtype=torch.float8_e4m3fn)
+    kv = (torch.zeros(8, 352, dtype=torch.uint8) if which == "few-nvfp4" else torch.zeros(8, 576, dtype=torch.float8_e4m3fn))
     slots = torch.zeros(rows, 128, dtype=torch.int32)
     counts = torch.zeros(rows, dtype=torch.int32)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
     if which == "gluon":
         fn, params, mod = gluon_decode.gluon_decode_kernel, GluonParams(), gluon_decode
     else:
-        fn, params, mod = gluon_few_heads.few_heads_kernel, FewHeadsParams(), gluon_few_heads
+        params = nvfp4_params() if which == "few-nvfp4" else FewHeadsParams()
+        fn, mod = gluon_few_heads.few_heads_kernel, gluon_few_heads
     ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config())
     real = getattr(mod, fn.__name__)
     setattr(mod, fn.__name__, FakeKernel(fn))

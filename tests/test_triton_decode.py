@@ -83,8 +83,11 @@ def _fp8_wgmma(heads, fmt, config=None):
     return fp8_wgmma(config or default_config(heads, fmt), fmt)
 
 
-def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None):
-    wgmma = _fp8_wgmma(q.shape[1], fmt, config)  # nvfp4 runs every dot in fp16 (exact sums)
+def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None):
+    """wgmma: whether some logits come from fp8 wgmma without promotion (None: from the config; the Gluon nvfp4
+    kernel passes True for its fp8 RoPE dot, bounded by the full-dot bound, conservatively)."""
+    if wgmma is None:
+        wgmma = _fp8_wgmma(q.shape[1], fmt, config)  # nvfp4 runs every dot in fp16 (exact sums)
     logit_err = (wgmma_logit_bound(q, kv, slots, counts, fmt, softmax_scale).view(-1, 1, 1) if wgmma
                  else torch.zeros(1, 1, 1, device=q.device))
     ref_out, ref_lse = reference_decode(

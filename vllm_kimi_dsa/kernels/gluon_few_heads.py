@@ -1,4 +1,5 @@
-"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): FP8 cache, <= 16 heads (K3.1's 12 / 16 a rank).
+"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): <= 16 heads (K3.1's 12 / 16 a rank), FP8 cache
+(and, prepared but not yet run on a GPU, nvfp4_ds_mla: see the end of this docstring).
 
 With few heads a row the decode is bound by the gathered bytes (576 a token), not by the tensor cores, so the
 design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
@@ -19,7 +20,13 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
   converting), each V16 half's v_empty 1.
 
 Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
-Not for nvfp4, more than 16 heads (a 32-head consumer spills: 128 accumulator registers; > 32 heads run
+nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); written after the last device run, compiled for sm_90a on 3.6
+and 3.8, NOT yet run on a GPU, so TritonDecode picks it only with VLLM_KIMI_DSA_GLUON=1): the gatherer moves each
+352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
+of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
+fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
+
+Not for more than 16 heads (a 32-head consumer spills: 128 accumulator registers; > 32 heads run
 gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
 Gluon.
 """
@@ -31,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
 from vllm_kimi_dsa.kernels import gluon_decode as gd
 from vllm_kimi_dsa.kernels import triton_decode as td
 
@@ -45,6 +52,8 @@ SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
 # by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
 VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
+# The same for the nvfp4_ds_mla path (FewHeadsParams.nvfp4): none yet, it was written after the last device run.
+NVFP4_VERIFIED_TRITON: tuple[str, ...] = ()
 
 if gd.gl is not None:
     gl = gd.gl
@@ -65,9 +74,13 @@ if gd.gl is not None:
         row, split, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, NVFP4: gl.constexpr = False,
     ):
-        """The consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue."""
+        """The consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue.
+
+        NVFP4: the latent logits come from the converter's V16 halves (even / odd latent dims, fp16, exact) against
+        q_lat_s = (Q even dims, Q odd dims) in fp16, so tile it's Q.K also waits for its V16 halves; the RoPE part
+        stays fp8 x fp8 from the K stage. acc0 / acc1 are then the even / odd dims of O^T."""
         DH: gl.constexpr = 256  # latent dims a V16 half
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
@@ -81,7 +94,14 @@ if gd.gl is not None:
         acc0 = gl.zeros([DH, BH], gl.float32, o_layout)  # O^T, latent dims 0..255
         acc1 = gl.zeros([DH, BH], gl.float32, o_layout)  # 256..511
         s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
-        q_lat_t = q_lat_s.permute((1, 0))
+        if NVFP4:
+            s16_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, BH, 16])
+            s16_zero = gl.zeros([_BN, BH], gl.float32, s16_layout)
+            q_even_t = q_lat_s.index(0).permute((1, 0))
+            q_odd_t = q_lat_s.index(1).permute((1, 0))
+        else:
+            q_lat_t = q_lat_s.permute((1, 0))
         q_rope_t = q_rope_s.permute((1, 0))
         p_t = p_s.permute((1, 0))  # P^T (tokens x heads) as the K-major B operand
         for it in range(num_tiles):
@@ -100,13 +120,29 @@ if gd.gl is not None:
                 a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
                 mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
                 a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
-            # fp8 x fp8 without accumulator promotion, as the 64-head kernel (conftest.wgmma_logit_bound)
-            s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(a0, a1))
+            if NVFP4:
+                # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
+                uc = 2 * it
+                mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
+                mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
+                # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the
+                # RoPE part fp8 x fp8 into its own, added after the wait
+                s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
+                s_lat = warpgroup_mma(v16_s.index((uc + 1) % V_SLOTS), q_odd_t, s_lat, is_async=True)
+                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=3, deps=(a0, a1))
+            else:
+                # fp8 x fp8 without accumulator promotion, as the 64-head kernel (conftest.wgmma_logit_bound)
+                s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(a0, a1))
             mbarrier.arrive(v_empty.index(vs0), pred=it > 0)
             mbarrier.arrive(v_empty.index(vs1), pred=it > 0)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if NVFP4:
+                s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
+                s = s + gl.convert_layout(s_lat, s_layout)
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
 
             # online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP
@@ -140,18 +176,180 @@ if gd.gl is not None:
         offs_d = gl.arange(0, DH, gl.SliceLayout(1, o_layout))
         mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < DH, 1)
         offs_h_s = gl.arange(0, BH, head_s_layout)
+        # acc0 / acc1 rows are latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1
+        if NVFP4:
+            d0 = offs_d * 2
+            d1_off: gl.constexpr = 1
+        else:
+            d0 = offs_d
+            d1_off: gl.constexpr = DH
         if num_splits == 1:
             o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
-                      + gl.expand_dims(offs_d, 1))
+                      + gl.expand_dims(d0, 1))
             gl.store(o_ptrs, (acc0 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-            gl.store(o_ptrs + DH, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
+            gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
             gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
         else:
             base = (row * num_splits + split) * H
-            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(offs_d, 1)
+            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
             gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
-            gl.store(p_ptrs + DH, acc1 * gl.expand_dims(inv, 0), mask=mask)
+            gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
             gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
+
+    # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes (latent 2 b in byte b's low nibble, 2 b + 1 in its high
+    # one), 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320 (block s at 320 + 8 (s & 3) + (s >> 2)).
+    # Scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
+    _SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+    _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    @gluon.jit
+    def _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                           K_STAGES: gl.constexpr):
+        """gluon_decode._gather_tile for nvfp4_ds_mla rows: packed bytes, RoPE and scales into their stage buffers."""
+        row_layout: gl.constexpr = gd._ROW_LAYOUT
+        stage = it % K_STAGES
+        ok = slot >= 0
+        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, row_layout))
+        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
+        sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, _SC_LAYOUT))
+        sc_ok = sc_slot >= 0
+        sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, _SC_LAYOUT))
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        gd.async_copy.async_copy_global_to_shared(pk_s.index(stage), row_base + gl.expand_dims(offs_pk, 0),
+                                                  mask=gl.expand_dims(ok, 1))
+        rope_ptrs = (row_base + gl.expand_dims(offs_rope, 0)).to(gl.pointer_type(gl.float8e4nv), bitcast=True)
+        gd.async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(ok, 1))
+        gd.async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
+                                                  mask=gl.expand_dims(sc_ok, 1))
+        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
+        gd.async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+        mbarrier.arrive(k_ready.index(stage))
+
+    @gluon.jit
+    def _nvfp4_gatherer(
+        pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty,
+        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+    ):
+        """gluon_decode._gatherer for nvfp4_ds_mla rows (slots four tiles ahead)."""
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        slot0 = gd._load_slots(s_base, start, end, 0, BLOCK_N)
+        slot1 = gd._load_slots(s_base, start, end, 1, BLOCK_N)
+        slot2 = gd._load_slots(s_base, start, end, 2, BLOCK_N)
+        slot3 = gd._load_slots(s_base, start, end, 3, BLOCK_N)
+        for it in range(num_tiles):
+            _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv, K_STAGES)
+            slot0 = slot1
+            slot1 = slot2
+            slot2 = slot3
+            slot3 = gd._load_slots(s_base, start, end, it + 4, BLOCK_N)
+
+    @gluon.jit
+    def _nvfp4_converter(
+        pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """Tile j's latent, e2m1 x e4m3 -> fp16 (exact: <= 6 significant bits within 2**-10 .. 2688), into V16 uses
+        2 j (the even dims: low nibbles) and 2 j + 1 (the odd dims), both at once; then release the K stage.
+
+        A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
+        whose scale is raw byte 8 q + r, so the (64, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
+        up with the packed view's first two axes. A thread decodes 16 contiguous bytes (2 blocks) a step."""
+        CVT_WR: gl.constexpr = CVT_ROWS // 8
+        pk_layout: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [8, 2, 2, 1], [CVT_WR, 4 // CVT_WR, 1, 1], [3, 2, 1, 0])
+        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        for j in range(num_tiles):
+            cstage = j % K_STAGES
+            mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
+            u = 2 * j
+            mbarrier.wait(v_empty.index(u % V_SLOTS), ((u // V_SLOTS) & 1) ^ 1)
+            mbarrier.wait(v_empty.index((u + 1) % V_SLOTS), (((u + 1) // V_SLOTS) & 1) ^ 1)
+            pk4 = pk_s.index(cstage)._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
+            sc3 = sc_s.index(cstage)._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
+            v_even = v16_s.index(u % V_SLOTS)
+            v_odd = v16_s.index((u + 1) % V_SLOTS)
+            for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
+                pk = pk4.slice(r0, CVT_ROWS, dim=0).load(pk_layout)
+                sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, pk_layout))
+                scale = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16), 3)
+                lo, hi = gl.inline_asm_elementwise(td.E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [pk],
+                                                   dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+                v_even.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(lo * scale, [CVT_ROWS, 256]))
+                v_odd.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(hi * scale, [CVT_ROWS, 256]))
+            fence_async_shared()
+            mbarrier.arrive(v_ready.index(u % V_SLOTS))
+            mbarrier.arrive(v_ready.index((u + 1) % V_SLOTS))
+            mbarrier.arrive(k_empty.index(cstage))
+
+    @gluon.jit
+    def _nvfp4_kernel_body(
+        q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, start, end, num_tiles, H, num_splits,
+        stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
+        the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), _nvfp4_gatherer and
+        _nvfp4_converter as the producer warpgroups."""
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], v16_layout)  # Q even dims, Q odd dims
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
+        pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
+        sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
+        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
+        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=129)
+            mbarrier.init(k_empty.index(i), count=2)  # the consumer after Q.K (RoPE), the converter
+        for i in gl.static_range(V_SLOTS):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+
+        # Q: latent dims 2 c and 2 c + 1 to fp16 (exact), RoPE as is; padded heads 0
+        q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        q_row = q_ptr + row.to(gl.int64) * stride_q_row
+        offs_h = gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        q_even_ptrs = (q_row + gl.expand_dims(offs_h * stride_q_head, 1)
+                       + gl.expand_dims(2 * gl.arange(0, 256, gl.SliceLayout(0, q_ld)), 0))
+        q_mask = gl.expand_dims(offs_h < H, 1)
+        q_lat_s.index(0).store(gl.load(q_even_ptrs, mask=q_mask, other=0.0).to(gl.float16))
+        q_lat_s.index(1).store(gl.load(q_even_ptrs + 1, mask=q_mask, other=0.0).to(gl.float16))
+        offs_hr = gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
+                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
+                         mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
+        q_rope_s.store(q_rope)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
+                                 k_ready, k_empty, v_ready, v_empty,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 BH, K_STAGES, V_SLOTS, True)),
+                (_nvfp4_gatherer, (pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty,
+                                   kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                   _BN, K_STAGES)),
+                (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+            ],
+            [4, 4],
+            [120, 128],
+        )
 
     @gluon.jit
     def few_heads_kernel(
@@ -168,12 +366,20 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         L2_PREFETCH: gl.constexpr,  # the gatherer prefetches tile it + 3's rows to L2 (SPLIT_PRODUCER only)
+        NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
     ):
-        """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with fp8, SWAP, one head block."""
+        """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with SWAP, one head block."""
         split = gl.program_id(1)
         row = gl.program_id(2)
 
         start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
+        if NVFP4:
+            _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                               row, split, start, end, num_tiles, H, num_splits,
+                               stride_q_row, stride_q_head, stride_kv, stride_s_row,
+                               stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                               BH, K_STAGES, V_SLOTS, CVT_ROWS)
+            return
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -270,8 +476,14 @@ class FewHeadsParams:
     # the gatherer prefetches tile it + 3's rows into L2 before it waits for a free K stage (split_producer only).
     # Prepared after the last device run (NOTES v8, next step 1): compiled for sm_90a, NOT yet run on a GPU
     l2_prefetch: bool = False
+    # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
+    # tiles: v_slots >= 4). Prepared after the last device run, compiled for sm_90a, NOT yet run on a GPU
+    nvfp4: bool = False
 
     def __post_init__(self) -> None:
+        if self.nvfp4 and (not self.split_producer or self.l2_prefetch or self.v_slots < 4):
+            raise ValueError("nvfp4 needs split_producer, no l2_prefetch and v_slots >= 4 (Q.K holds a tile's V16 "
+                             "halves while P.V holds the previous tile's)")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -284,12 +496,20 @@ class FewHeadsParams:
 
     def smem_bytes(self) -> int:
         """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
-        return (BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + self.v_slots * BLOCK_N * LATENT_DIM
-                + BLOCK_H * BLOCK_N * 2 + 2048)
+        if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
+            q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
+        else:
+            q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
+        return q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
         return few_heads_config()
+
+
+def nvfp4_params() -> FewHeadsParams:
+    """The nvfp4_ds_mla shape: K ring 3 (22.5 KB a stage) and V16 4 halves (two tiles) fit 227 KB; 4 / 4 do not."""
+    return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True)
 
 
 def few_heads_config() -> td.Config:
@@ -300,11 +520,12 @@ def few_heads_config() -> td.Config:
 def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
     return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
                 PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                L2_PREFETCH=params.l2_prefetch)
+                L2_PREFETCH=params.l2_prefetch, NVFP4=params.nvfp4)
 
 
-def few_heads_verified() -> bool:
-    return gd._triton_is(VERIFIED_TRITON)
+def few_heads_verified(fmt: str = "fp8") -> bool:
+    """Whether this Triton version is one the kernel passed its GPU tests on, for this cache format."""
+    return gd._triton_is(VERIFIED_TRITON if fmt == "fp8" else NVFP4_VERIFIED_TRITON)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
@@ -329,7 +550,8 @@ def few_heads_sparse_mla_decode(
     splits: int | None = None,
     params: FewHeadsParams | None = None,
 ) -> Any:
-    """Sparse MLA decode of an fp8 cache for <= 16 heads with this file's kernel, as gluon_sparse_mla_decode.
+    """Sparse MLA decode for <= 16 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
+    nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
     query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 16 (MAX_HEADS).
     Other arguments as triton_decode.sparse_mla_decode; workspace from make_workspace(config=params.config()).
@@ -338,7 +560,8 @@ def few_heads_sparse_mla_decode(
     reason = gd.gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
-    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    fmt = "nvfp4_ds_mla" if params is not None and params.nvfp4 else "fp8"
+    td._check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
     params = params or FewHeadsParams()
     if heads > MAX_HEADS:
