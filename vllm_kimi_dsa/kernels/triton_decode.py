@@ -648,6 +648,8 @@ class TritonDecode:
                 self.gluon = params
                 self.config = params.config()
                 self._gluon_launch = launch
+        # the implementation is bound here, once: the call path does not branch on it
+        self._launch = self._launch_tl if self.gluon is None else self._launch_gluon
         sms = num_sms(torch.device(setup.device))
         self.workspace = make_workspace(
             setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths, fmt=self.fmt, config=self.config
@@ -681,14 +683,15 @@ class TritonDecode:
             )
         if rows == 0:
             return
-        if self.gluon is not None:
-            self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
-                               self.setup.output_scale, self.workspace, self._splits[key], self.gluon)
-            return
-        _launch(
-            query, kv_rows, slots, counts, out, lse, self.fmt,
-            self.setup.softmax_scale, self.setup.output_scale, self.workspace, self.config, self._splits[key],
-        )
+        self._launch(query, kv_rows, slots, counts, out, lse, self._splits[key])
+
+    def _launch_tl(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
+        _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
+                self.setup.softmax_scale, self.setup.output_scale, self.workspace, self.config, splits)
+
+    def _launch_gluon(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
+        self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
+                           self.setup.output_scale, self.workspace, splits, self.gluon)
 
 
 __all__ = ["Config", "TritonDecode", "Workspace", "choose_splits", "default_config", "make_workspace", "sparse_mla_decode"]
