@@ -7,9 +7,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/few_out}
 mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout ${TEST_S:-150} python3 -m pytest tests/test_gluon_few_heads.py -x -q -p no:cacheprovider -rs \
+timeout ${TEST_S:-240} python3 -m pytest tests/test_gluon_few_heads.py -x -q -p no:cacheprovider -rs \
   --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -25 "$OUT/tests.log"
-timeout ${BENCH_S:-300} python3 -u benchmarks/bench_few_heads.py --out "$OUT" ${ROWS:+--rows $ROWS} \
+timeout ${BENCH_S:-360} python3 -u benchmarks/bench_few_heads.py --out "$OUT" ${ROWS:+--rows $ROWS} --heads ${HEADS:-16,12,32} \
   --splits "${PROBE-320:1,2,3;80:1,2,4;5:8,16,32}" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
 echo "bench rc=${PIPESTATUS[0]}"

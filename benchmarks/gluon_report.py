@@ -55,9 +55,11 @@ def compile_gluon(kernel: str = "gluon", **overrides):
         from vllm_kimi_dsa.kernels import gluon_decode as g
 
         fn, params_cls = g.gluon_decode_kernel, g.GluonParams
+    heads = overrides.pop("heads", None)  # the few-heads kernel: > 16 heads compile its head-block variant
     base = params_cls()
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
-    consts = g.kernel_constexprs(params_cls(**overrides))
+    params = params_cls(**overrides)
+    consts = g.kernel_constexprs(params, heads) if heads else g.kernel_constexprs(params)
     sig = dict(SIGNATURE)
     if overrides.get("nvfp4"):
         sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8

@@ -3,7 +3,7 @@
 Hopper only: the GPU tests skip with the reason where gluon_available() is False (CPU CI, other GPUs, other Triton
 versions); the check that every case is a valid FewHeadsParams runs everywhere. Inputs are test_gluon_decode's:
 fresh random fp8 rows, -1 holes, junk past counts, a count-0 row and an all-holes row; odd row counts, 1 / 12 / 16
-heads (12 and 1 pad the 16-wide MMA), widths 128 / 1024 / 2048, one split and several (the combine), K rings of
+heads (12 and 1 pad the 16-wide MMA; 20, 24 and 32 run as 16-head blocks), widths 128 / 1024 / 2048, one split and several (the combine), K rings of
 2-4 and V16 rings of 2-4 half tiles, gathers and conversions in two producer warpgroups or one, with and without the gatherer's L2 prefetch, conversion steps of 16 / 32 rows, outputs poisoned with NaN, a CUDA-graph
 capture / replay. Tolerance: test_triton_decode's check with this kernel's config (bf16 output rounding, fp16 P,
 fp8 wgmma logits within conftest.wgmma_logit_bound); NaN never passes.
@@ -77,6 +77,11 @@ CASES = [
     Case(320, 12, 2048, split_producer=False),
     Case(19, 12, 2048, splits=2, k_stages=3, v_slots=3, split_producer=False),
     Case(33, 12, 128, splits=1, k_stages=2, v_slots=4, split_producer=False),
+    # 17..32 heads as 16-head blocks (prepared after the last device run: these are their first GPU checks)
+    Case(5, 32, 2048, splits=1),
+    Case(7, 24, 1024, splits=3),
+    Case(33, 20, 128),
+    Case(320, 32, 2048),
     # the gatherer's L2 prefetch (prepared after the last device run: these are its first GPU checks)
     Case(5, 16, 2048, splits=1, l2_prefetch=True),
     Case(19, 12, 2048, splits=2, l2_prefetch=True),
@@ -156,6 +161,8 @@ NVFP4_CASES = [
     nvfp4_case(5, 16, 2048, splits=1, cvt_rows=16),
     nvfp4_case(7, 12, 2048, splits=1, cvt_rows=8),
     nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
+    nvfp4_case(5, 32, 2048, splits=1),
+    nvfp4_case(19, 20, 1024, splits=2),
 ]
 
 
@@ -190,8 +197,8 @@ def test_nvfp4_cuda_graph_replay() -> None:
 
 @GPU
 def test_rejects_many_heads() -> None:
-    q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
-    out, lse = _poisoned(3, 32)
+    q, kv, slots, counts, ss, os_ = _case(3, 33, 128, seed=5)
+    out, lse = _poisoned(3, 33)
     with pytest.raises(ValueError, match="heads"):
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 

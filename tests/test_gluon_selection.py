@@ -65,13 +65,13 @@ def test_gluon_never_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("fp8", 16), ("fp8", 12),
-                                       ("nvfp4_ds_mla", 128), ("nvfp4_ds_mla", 12)])
+                                       ("nvfp4_ds_mla", 128), ("nvfp4_ds_mla", 32), ("nvfp4_ds_mla", 12)])
 def test_kernel_choice(fmt: str, heads: int) -> None:
     k = TritonDecode(_setup(fmt, heads))
-    if heads <= 16:
-        want = AUTO_FEW if fmt == "fp8" else AUTO_FEW_NVFP4
+    if heads <= 32:
+        want = HOPPER and few_heads_verified(fmt, heads)
     else:
-        want = fmt == "fp8" and heads > 32 and AUTO
+        want = fmt == "fp8" and AUTO
     assert (k.gluon is not None) == want
     if k.gluon is None:
         assert k.config == default_config(heads, fmt)
@@ -112,7 +112,7 @@ def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
     assert TritonDecode(_setup("fp8", 128)).gluon is not None
     assert isinstance(TritonDecode(_setup("fp8", 12)).gluon, FewHeadsParams)
-    assert TritonDecode(_setup("fp8", 32)).gluon is None  # 17..32 heads: no Gluon kernel
+    assert isinstance(TritonDecode(_setup("fp8", 32)).gluon, FewHeadsParams)  # 16-head blocks, asked for
     assert TritonDecode(_setup("nvfp4_ds_mla", 12)).gluon.nvfp4
     assert TritonDecode(_setup("nvfp4_ds_mla", 128)).gluon is None
 
@@ -145,7 +145,7 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
 
 
 @pytest.mark.skipif(gluon_decode.gl is None, reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("which", ["gluon", "few", "few-nvfp4"])
+@pytest.mark.parametrize("which", ["gluon", "few", "few-nvfp4", "few-32"])
 def test_launchers_pass_every_kernel_argument(which: str) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
     constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
@@ -164,7 +164,7 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
                 seen.update(grid=grid, args=args, kwargs=kwargs)
             return run
 
-    rows, heads = 3, (128 if which == "gluon" else 12)
+    rows, heads = 3, {"gluon": 128, "few-32": 32}.get(which, 12)
     q = torch.zeros(rows, heads, 576, dtype=torch.float8_e4m3fn)
     kv = (torch.zeros(8, 352, dtype=torch.uint8) if which == "few-nvfp4" else torch.zeros(8, 576, dtype=torch.float8_e4m3fn))
     slots = torch.zeros(rows, 128, dtype=torch.int32)
@@ -184,6 +184,14 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
         setattr(mod, fn.__name__, real)
     names = list(fn.arg_names)
     consts = set(seen["kwargs"]) - {"num_warps"}  # num_warps is a launch option, not a parameter
-    assert seen["grid"] == ((2 if which == "gluon" else 1), 1, rows)
+    assert seen["grid"] == ((1 if heads <= 16 else 2), 1, rows)
     assert len(seen["args"]) + len(consts) == len(names), (len(seen["args"]), sorted(consts), names)
     assert consts == set(names[len(seen["args"]):])
+
+
+def test_few_heads_verified_shapes() -> None:
+    """Only the shapes that ran their GPU tests are picked without being asked for: fp8 at <= 16 heads (3.6)."""
+    for fmt in ("fp8", "nvfp4_ds_mla"):
+        for heads in (12, 16, 20, 32):
+            if (fmt, heads <= 16) != ("fp8", True):
+                assert not few_heads_verified(fmt, heads), (fmt, heads)

@@ -56,9 +56,10 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
 @pytest.mark.parametrize("overrides", [{}, {"qk_split": False}, {"kernel": "few"}, {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "l2_prefetch": True},
-                                       {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4}],
+                                       {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
+                                       {"kernel": "few", "heads": 32}],
                          ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer", "few_heads_l2_prefetch",
-                              "few_heads_nvfp4"])
+                              "few_heads_nvfp4", "few_heads_32"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel's default (qk_split) and redundant-Q.K consumers; the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`

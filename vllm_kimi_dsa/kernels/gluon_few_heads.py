@@ -44,7 +44,9 @@ from vllm_kimi_dsa.kernels import triton_decode as td
 
 BLOCK_N = 64  # tokens a tile: the wgmma M of S^T
 BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queries, masked at the store)
-MAX_HEADS = BLOCK_H
+# 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
+# runs beside it); not yet run on a GPU: few_heads_verified(fmt, heads) says which shapes have been
+MAX_HEADS = 2 * BLOCK_H
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
@@ -52,8 +54,10 @@ SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
 # by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
 VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
-# The same for the nvfp4_ds_mla path (FewHeadsParams.nvfp4): none yet, it was written after the last device run.
-NVFP4_VERIFIED_TRITON: tuple[str, ...] = ()
+# The same for the shapes written after the last device run: nvfp4_ds_mla (FewHeadsParams.nvfp4) and 17..32 heads
+# (16-head blocks), by (format, more than one head block). None yet.
+MORE_VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("fp8", True): (), ("nvfp4_ds_mla", False): (), ("nvfp4_ds_mla", True): ()}
 
 if gd.gl is not None:
     gl = gd.gl
@@ -71,7 +75,7 @@ if gd.gl is not None:
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
         k_ready, k_empty, v_ready, v_empty,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, num_tiles, H, num_splits,
+        row, split, h0, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, NVFP4: gl.constexpr = False,
@@ -172,10 +176,10 @@ if gd.gl is not None:
         has = l_i > 0.0
         inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o_layout)
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        offs_h = gl.arange(0, BH, head_o_layout)
+        offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
         offs_d = gl.arange(0, DH, gl.SliceLayout(1, o_layout))
         mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < DH, 1)
-        offs_h_s = gl.arange(0, BH, head_s_layout)
+        offs_h_s = h0 + gl.arange(0, BH, head_s_layout)
         # acc0 / acc1 rows are latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1
         if NVFP4:
             d0 = offs_d * 2
@@ -287,7 +291,7 @@ if gd.gl is not None:
     @gluon.jit
     def _nvfp4_kernel_body(
         q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, start, end, num_tiles, H, num_splits,
+        row, split, h0, start, end, num_tiles, H, num_splits,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
@@ -320,13 +324,13 @@ if gd.gl is not None:
         q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
         q_row = q_ptr + row.to(gl.int64) * stride_q_row
-        offs_h = gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
         q_even_ptrs = (q_row + gl.expand_dims(offs_h * stride_q_head, 1)
                        + gl.expand_dims(2 * gl.arange(0, 256, gl.SliceLayout(0, q_ld)), 0))
         q_mask = gl.expand_dims(offs_h < H, 1)
         q_lat_s.index(0).store(gl.load(q_even_ptrs, mask=q_mask, other=0.0).to(gl.float16))
         q_lat_s.index(1).store(gl.load(q_even_ptrs + 1, mask=q_mask, other=0.0).to(gl.float16))
-        offs_hr = gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        offs_hr = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
         q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
                          + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
                          mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
@@ -338,7 +342,7 @@ if gd.gl is not None:
                 (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
                                  k_ready, k_empty, v_ready, v_empty,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, num_tiles, H, num_splits,
+                                 row, split, h0, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  BH, K_STAGES, V_SLOTS, True)),
                 (_nvfp4_gatherer, (pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty,
@@ -367,15 +371,20 @@ if gd.gl is not None:
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         L2_PREFETCH: gl.constexpr,  # the gatherer prefetches tile it + 3's rows to L2 (SPLIT_PRODUCER only)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
+        MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
-        """One (split, row) of all H <= BH heads: triton_decode._decode_kernel with SWAP, one head block."""
+        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         split = gl.program_id(1)
         row = gl.program_id(2)
+        if MULTI_HB:
+            h0 = gl.program_id(0) * BH
+        else:
+            h0 = 0
 
         start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
         if NVFP4:
             _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                               row, split, start, end, num_tiles, H, num_splits,
+                               row, split, h0, start, end, num_tiles, H, num_splits,
                                stride_q_row, stride_q_head, stride_kv, stride_s_row,
                                stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                BH, K_STAGES, V_SLOTS, CVT_ROWS)
@@ -405,13 +414,13 @@ if gd.gl is not None:
         # Q (BH heads x 576 e4m3; padded heads 0) into shared memory, by this (consumer) warpgroup
         q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
         q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        offs_h = gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
         q_row = q_ptr + row.to(gl.int64) * stride_q_row
         q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
                         + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
                         mask=gl.expand_dims(offs_h < H, 1), other=0.0)
         q_lat_s.store(q_lat)
-        offs_hr = gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        offs_hr = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
         q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
                          + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
                          mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
@@ -426,7 +435,7 @@ if gd.gl is not None:
                     (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
                                      k_ready, k_empty, v_ready, v_empty,
                                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, num_tiles, H, num_splits,
+                                     row, split, h0, num_tiles, H, num_splits,
                                      stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                      BH, K_STAGES, V_SLOTS)),
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
@@ -444,7 +453,7 @@ if gd.gl is not None:
                     (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
                                      k_ready, k_empty, v_ready, v_empty,
                                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, num_tiles, H, num_splits,
+                                     row, split, h0, num_tiles, H, num_splits,
                                      stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                      BH, K_STAGES, V_SLOTS)),
                     (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
@@ -517,23 +526,26 @@ def few_heads_config() -> td.Config:
                      swap=True, split_tiles=SPLIT_TILES)
 
 
-def kernel_constexprs(params: FewHeadsParams) -> dict[str, Any]:
-    return dict(BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
+def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
+    """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
+    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
                 PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
                 L2_PREFETCH=params.l2_prefetch, NVFP4=params.nvfp4)
 
 
-def few_heads_verified(fmt: str = "fp8") -> bool:
-    """Whether this Triton version is one the kernel passed its GPU tests on, for this cache format."""
-    return gd._triton_is(VERIFIED_TRITON if fmt == "fp8" else NVFP4_VERIFIED_TRITON)
+def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
+    """Whether this Triton version is one the kernel passed its GPU tests on, for this cache format and head count."""
+    multi = heads > BLOCK_H
+    return gd._triton_is(VERIFIED_TRITON if (fmt, multi) == ("fp8", False) else MORE_VERIFIED_TRITON[(fmt, multi)])
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: FewHeadsParams) -> Any:
-    """The main kernel (one head block) and the combine when splits > 1: inputs already checked, no allocation,
+    """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
     no sync."""
-    return gd.launch_kernel(few_heads_kernel, 1, query, kv_rows, slots, counts, out, lse, softmax_scale,
-                            output_scale, ws, splits, kernel_constexprs(params))
+    heads = query.shape[1]
+    return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
+                            softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads))
 
 
 def few_heads_sparse_mla_decode(
@@ -553,7 +565,7 @@ def few_heads_sparse_mla_decode(
     """Sparse MLA decode for <= 16 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
     nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
-    query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 16 (MAX_HEADS).
+    query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above 16, 16-head blocks).
     Other arguments as triton_decode.sparse_mla_decode; workspace from make_workspace(config=params.config()).
     Returns the compiled kernel handle.
     """

@@ -630,12 +630,12 @@ class TritonDecode:
         # kernel on the H200) on the Triton versions it was verified on; VLLM_KIMI_DSA_GLUON=1 asks for it on any
         # version it compiles with, =0 never. Everywhere else (the interpreter, other GPUs, other Triton versions)
         # this file's kernel, which computes the same thing.
-        # <= 16 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring) under the same rules,
-        # for fp8 and (its own list of verified versions) nvfp4_ds_mla. 17..32 heads and nvfp4 at > 16 heads stay on
-        # this file's kernel.
+        # <= 32 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring; 16-head blocks) under
+        # the same rules, with its own verified versions per format and head count (fp8 at <= 16 heads so far).
+        # Elsewhere (nvfp4 at > 32 heads, unverified shapes) this file's kernel.
         self.gluon: Any = None
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
-        few = setup.heads <= 16
+        few = setup.heads <= 32
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
@@ -643,7 +643,8 @@ class TritonDecode:
                 params, verified, launch = gluon_decode.GluonParams(), gluon_decode.gluon_verified(), gluon_decode.launch
             else:
                 params = gluon_few_heads.FewHeadsParams() if self.fmt == "fp8" else gluon_few_heads.nvfp4_params()
-                verified, launch = gluon_few_heads.few_heads_verified(self.fmt), gluon_few_heads.launch
+                verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
+                launch = gluon_few_heads.launch
             if gluon_decode.gluon_available(setup.device) and (want == "1" or verified):
                 self.gluon = params
                 self.config = params.config()
