@@ -183,3 +183,51 @@ def test_run_h200_script_shape():
     assert outs | {"bench_suite.json"} <= {"summary.txt", "tests.log", "junit.xml", "bench.log", "bench_suite.json",
                                           "tune.log", "kernel_table.json", "sanitizer.log"}, outs
     assert "--skip-sanitizer" in text and "fi_site.tar.xz" in text and "FLASHINFER_CUDA_ARCH_LIST=9.0a" in text
+
+
+# ---------------------------------------------------------------- the Gluon benchmarks (CPU: their set-up only)
+
+
+def test_gluon_bench_variants_are_valid_params() -> None:
+    """Every variant the device scripts time is a shape the kernels take (a bad one would cost device time)."""
+    import bench_few_heads as bfh
+    import bench_gluon as bg
+
+    from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
+    from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams
+
+    for overrides in bg.GLUON_VARIANTS.values():
+        GluonParams(**overrides)
+    for name, overrides in bfh.VARIANTS.items():
+        params = FewHeadsParams(**overrides)
+        assert params.nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
+    for name in bfh.NAMES:
+        for heads in (12, 16, 32):
+            assert bfh._config(name, heads).block_n in (32, 64)
+
+
+def test_gather_floor_kernel_xors_the_gathered_rows() -> None:
+    """bench_gather_floor's kernel, in the interpreter: one word a program, the xor of its 16 rows."""
+    import functools
+    import operator
+
+    import bench_gather_floor as bgf
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randint(-1000, 1000, (100, 144), generator=g, dtype=torch.int32)
+    slots = torch.randint(0, 100, (32,), generator=g, dtype=torch.int32)
+    out = torch.full((2,), 7, dtype=torch.int32)
+    bgf._gather_xor[(2,)](kv, slots, out, kv.stride(0), WORDS=144, WORDS_P2=256, BLOCK_N=16)
+    want = [functools.reduce(operator.xor, kv[slots[i * 16:(i + 1) * 16].long()].flatten().tolist()) for i in range(2)]
+    assert out.tolist() == want
+
+
+def test_plot_gluon_draws_the_committed_runs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = ROOT / "benchmarks" / "results" / "h200-2026-12-03" / "few-heads-v4"
+    png = tmp_path / "g.png"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_gluon.py"), "--few",
+                        str(run / "bench" / "few_heads_bench.json"), "--gluon", str(run / "gluon" / "gluon_bench.json"),
+                        "--out", str(png)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert png.stat().st_size > 10_000
