@@ -452,6 +452,37 @@ if gl is not None:
                 _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - 1,
                               BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
+    # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes (latent 2 b in byte b's low nibble, 2 b + 1 in its high
+    # one), 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320 (block s at 320 + 8 (s & 3) + (s >> 2)).
+    # Scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
+    _SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                           K_STAGES: gl.constexpr):
+        """_gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
+        stage buffers."""
+        row_layout: gl.constexpr = _ROW_LAYOUT
+        stage = it % K_STAGES
+        ok = slot >= 0
+        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, row_layout))
+        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
+        sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, _SC_LAYOUT))
+        sc_ok = sc_slot >= 0
+        sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, _SC_LAYOUT))
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(pk_s.index(stage), row_base + gl.expand_dims(offs_pk, 0),
+                                                  mask=gl.expand_dims(ok, 1))
+        rope_ptrs = (row_base + gl.expand_dims(offs_rope, 0)).to(gl.pointer_type(gl.float8e4nv), bitcast=True)
+        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
+                                                  mask=gl.expand_dims(sc_ok, 1))
+        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
+        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+        mbarrier.arrive(k_ready.index(stage))
+
     # L2 prefetch: a thread's 2 rows (as _ROW_LAYOUT's: the slots convert for free) x 2 of the 8 line offsets
     # 0, 128, 256, 384, 512, 512, 512, 512: the <= 5 128-byte lines a 576-byte row touches
     _PF_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
@@ -470,6 +501,7 @@ if gl is not None:
         k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, L2_PREFETCH: gl.constexpr = False,
+        sc_s=None, NVFP4: gl.constexpr = False,
     ):
         """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
         cp.async issued as soon as its K stage is free. The slots are loaded four tiles ahead (2 registers a tile):
@@ -484,7 +516,11 @@ if gl is not None:
                 # tile it + 3's rows towards L2 before waiting for a free K stage: the gathers' latency then
                 # overlaps the wait for ring space (prepared after the last device run, NOT measured yet)
                 _prefetch_l2(kv_ptr, slot3, stride_kv)
-            _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv, K_STAGES)
+            if NVFP4:  # k_lat_s holds the packed bytes, sc_s the scales
+                _gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv,
+                                   K_STAGES)
+            else:
+                _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv, K_STAGES)
             slot0 = slot1
             slot1 = slot2
             slot2 = slot3

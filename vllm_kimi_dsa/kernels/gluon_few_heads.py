@@ -200,55 +200,28 @@ if gd.gl is not None:
             gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
             gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
-    # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes (latent 2 b in byte b's low nibble, 2 b + 1 in its high
-    # one), 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320 (block s at 320 + 8 (s & 3) + (s >> 2)).
-    # Scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
-    _SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
-                           K_STAGES: gl.constexpr):
-        """gluon_decode._gather_tile for nvfp4_ds_mla rows: packed bytes, RoPE and scales into their stage buffers."""
-        row_layout: gl.constexpr = gd._ROW_LAYOUT
-        stage = it % K_STAGES
-        ok = slot >= 0
-        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
-        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, row_layout))
-        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
-        sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, _SC_LAYOUT))
-        sc_ok = sc_slot >= 0
-        sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
-        offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, _SC_LAYOUT))
-        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-        gd.async_copy.async_copy_global_to_shared(pk_s.index(stage), row_base + gl.expand_dims(offs_pk, 0),
-                                                  mask=gl.expand_dims(ok, 1))
-        rope_ptrs = (row_base + gl.expand_dims(offs_rope, 0)).to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-        gd.async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(ok, 1))
-        gd.async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
-                                                  mask=gl.expand_dims(sc_ok, 1))
-        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
-        gd.async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
-        mbarrier.arrive(k_ready.index(stage))
+    def _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
+        """The few-heads kernel's mbarriers: k_ready (the gatherer's cp.async arrivals + its bias publish), k_empty
+        (the consumer after Q.K, the converter), v_ready (the converter), v_empty (the consumer after P.V)."""
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=129)
+            mbarrier.init(k_empty.index(i), count=2)
+        for i in gl.static_range(V_SLOTS):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
 
     @gluon.jit
-    def _nvfp4_gatherer(
-        pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty,
-        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-    ):
-        """gluon_decode._gatherer for nvfp4_ds_mla rows (slots four tiles ahead)."""
-        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        slot0 = gd._load_slots(s_base, start, end, 0, BLOCK_N)
-        slot1 = gd._load_slots(s_base, start, end, 1, BLOCK_N)
-        slot2 = gd._load_slots(s_base, start, end, 2, BLOCK_N)
-        slot3 = gd._load_slots(s_base, start, end, 3, BLOCK_N)
-        for it in range(num_tiles):
-            _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv, K_STAGES)
-            slot0 = slot1
-            slot1 = slot2
-            slot2 = slot3
-            slot3 = gd._load_slots(s_base, start, end, it + 4, BLOCK_N)
+    def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
+        """Heads h0 .. h0 + BH of the query's RoPE part (e4m3 as is; padded heads 0) into q_rope_s."""
+        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        q_rope = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1) + 512
+                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
+                         mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_rope_s.store(q_rope)
 
     @gluon.jit
     def _nvfp4_converter(
@@ -297,8 +270,8 @@ if gd.gl is not None:
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
         """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
-        the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), _nvfp4_gatherer and
-        _nvfp4_converter as the producer warpgroups."""
+        the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
+        and _nvfp4_converter as the producer warpgroups."""
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], v16_layout)  # Q even dims, Q odd dims
@@ -313,16 +286,10 @@ if gd.gl is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(K_STAGES):
-            mbarrier.init(k_ready.index(i), count=129)
-            mbarrier.init(k_empty.index(i), count=2)  # the consumer after Q.K (RoPE), the converter
-        for i in gl.static_range(V_SLOTS):
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+        _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES, V_SLOTS)
 
         # Q: latent dims 2 c and 2 c + 1 to fp16 (exact), RoPE as is; padded heads 0
         q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
         q_row = q_ptr + row.to(gl.int64) * stride_q_row
         offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
         q_even_ptrs = (q_row + gl.expand_dims(offs_h * stride_q_head, 1)
@@ -330,11 +297,7 @@ if gd.gl is not None:
         q_mask = gl.expand_dims(offs_h < H, 1)
         q_lat_s.index(0).store(gl.load(q_even_ptrs, mask=q_mask, other=0.0).to(gl.float16))
         q_lat_s.index(1).store(gl.load(q_even_ptrs + 1, mask=q_mask, other=0.0).to(gl.float16))
-        offs_hr = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
-        q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
-                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
-                         mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
-        q_rope_s.store(q_rope)
+        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
         gl.warp_specialize(
@@ -345,9 +308,9 @@ if gd.gl is not None:
                                  row, split, h0, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  BH, K_STAGES, V_SLOTS, True)),
-                (_nvfp4_gatherer, (pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty,
-                                   kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                   _BN, K_STAGES)),
+                (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
+                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                _BN, K_STAGES, False, sc_s, True)),
                 (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
             ],
@@ -404,27 +367,17 @@ if gd.gl is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(K_STAGES):
-            mbarrier.init(k_ready.index(i), count=129)  # the producer's cp.async arrivals + its bias publish
-            mbarrier.init(k_empty.index(i), count=2)  # the consumer after Q.K, the producer after converting
-        for i in gl.static_range(V_SLOTS):
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+        _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES, V_SLOTS)
 
         # Q (BH heads x 576 e4m3; padded heads 0) into shared memory, by this (consumer) warpgroup
         q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
         offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
         q_row = q_ptr + row.to(gl.int64) * stride_q_row
         q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
                         + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
                         mask=gl.expand_dims(offs_h < H, 1), other=0.0)
         q_lat_s.store(q_lat)
-        offs_hr = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
-        q_rope = gl.load(q_row + gl.expand_dims(offs_hr * stride_q_head, 1) + 512
-                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
-                         mask=gl.expand_dims(offs_hr < H, 1), other=0.0)
-        q_rope_s.store(q_rope)
+        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
         # (the consumer's arguments are spelled out in both calls: a tuple variable loses its constexprs)
