@@ -89,6 +89,22 @@ CASES = [
     Case(320, 16, 2048, l2_prefetch=True),
 ]
 
+# nvfp4_ds_mla (prepared after the last device run: these are its first GPU checks)
+NVFP4_CASES = [
+    nvfp4_case(1, 16, 2048, splits=1),
+    nvfp4_case(5, 12, 2048, splits=3),
+    nvfp4_case(7, 16, 1024),
+    nvfp4_case(33, 12, 128, splits=1),
+    nvfp4_case(19, 1, 1024, splits=2),
+    nvfp4_case(320, 16, 2048),
+    nvfp4_case(320, 12, 2048, splits=1),
+    nvfp4_case(5, 16, 2048, splits=1, cvt_rows=16),
+    nvfp4_case(7, 12, 2048, splits=1, cvt_rows=8),
+    nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
+    nvfp4_case(5, 32, 2048, splits=1),
+    nvfp4_case(19, 20, 1024, splits=2),
+]
+
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
     # nvfp4: latent logits in fp16 (exact products, fp32 sums), RoPE logits on fp8 wgmma: the fp8 bound applies
@@ -96,14 +112,15 @@ def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}-pf{int(c.l2_prefetch)}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}-pf{int(c.l2_prefetch)}")
 def test_matches_reference(case: Case) -> None:
-    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads)
+    fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)
     out, lse = _poisoned(case.rows, case.heads)
     few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                                 splits=case.splits, params=case.params())
     torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_)
+    _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
 
 
 @GPU
@@ -132,67 +149,22 @@ def test_agrees_with_triton_kernel() -> None:
 
 
 @GPU
-@pytest.mark.parametrize("splits", [1, 4])
-def test_cuda_graph_replay(splits: int) -> None:
+@pytest.mark.parametrize("fmt,splits", [("fp8", 1), ("fp8", 4), ("nvfp4_ds_mla", 3)])
+def test_cuda_graph_replay(fmt: str, splits: int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, heads, width = 7, 12, 1024
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
                                       config=few_heads_config())
     out, lse = _poisoned(rows, heads)
+    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
 
     def call() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                                    workspace=ws, splits=splits)
+                                    workspace=ws, splits=splits, params=params)
 
-    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
-    _check(out, lse, q, kv, slots, counts, ss, os_)
-
-
-# nvfp4_ds_mla (prepared after the last device run: these are its first GPU checks)
-NVFP4_CASES = [
-    nvfp4_case(1, 16, 2048, splits=1),
-    nvfp4_case(5, 12, 2048, splits=3),
-    nvfp4_case(7, 16, 1024),
-    nvfp4_case(33, 12, 128, splits=1),
-    nvfp4_case(19, 1, 1024, splits=2),
-    nvfp4_case(320, 16, 2048),
-    nvfp4_case(320, 12, 2048, splits=1),
-    nvfp4_case(5, 16, 2048, splits=1, cvt_rows=16),
-    nvfp4_case(7, 12, 2048, splits=1, cvt_rows=8),
-    nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
-    nvfp4_case(5, 32, 2048, splits=1),
-    nvfp4_case(19, 20, 1024, splits=2),
-]
-
-
-@GPU
-@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
-def test_nvfp4_matches_reference(case: Case) -> None:
-    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 3 + case.heads,
-                                          fmt="nvfp4_ds_mla")
-    out, lse = _poisoned(case.rows, case.heads)
-    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                                splits=case.splits, params=case.params())
-    torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_, fmt="nvfp4_ds_mla")
-
-
-@GPU
-def test_nvfp4_cuda_graph_replay() -> None:
-    rows, heads, width = 7, 12, 1024
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31, fmt="nvfp4_ds_mla")
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="nvfp4_ds_mla",
-                                      config=few_heads_config())
-    out, lse = _poisoned(rows, heads)
-
-    def call() -> None:
-        few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                                    workspace=ws, splits=3, params=nvfp4_params())
-
-    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=32, fmt="nvfp4_ds_mla")[:4],
-                         out, lse)
-    _check(out, lse, q, kv, slots, counts, ss, os_, fmt="nvfp4_ds_mla")
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22, fmt=fmt)[:4], out, lse)
+    _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
 
 
 @GPU
@@ -203,12 +175,7 @@ def test_rejects_many_heads() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
-    case.params()
-
-
-@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: f"nvfp4-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}")
-def test_nvfp4_cases_are_valid_params(case: Case) -> None:
-    assert case.params().nvfp4
+    assert case.params().nvfp4 == case.nvfp4
