@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated  # noqa: E402
 from bench_suite import ceilings  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
@@ -32,12 +33,7 @@ from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
-from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
-K = 2048
-CACHE_ROWS = 1 << 20
-SSCALE = 1.0 / 192.0**0.5 * 0.25 * 0.125
-OSCALE = 0.125
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
 # Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
@@ -68,16 +64,8 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
 
 
 def _time(name: str, heads: int, rows: int, splits: int, kv, dev, g) -> float:
-    sets = rotation_sets(rows * K * row_bytes(_fmt(name)), lo=1, hi=24)
-    qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
-    ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
-    cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
-    outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
-    need = rows * splits * heads
-    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
-                      dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
-    return cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits) for i in range(sets)])
+    return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
+                        rows, heads, splits, row_bytes(_fmt(name)), dev, g)[0]
 
 
 def main() -> None:

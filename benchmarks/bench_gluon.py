@@ -59,19 +59,28 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
-def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
-    """µs per call of kernel `name` at `rows` rows and `splits` splits, in a CUDA graph over rotated inputs."""
-    sets = rotation_sets(rows * K * row_bytes("fp8"), lo=1, hi=24)
-    qs = [(torch.randn(rows, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
+def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g):
+    """µs per call of make_call(q, slots, counts, out, lse, ws)() at `rows` rows of `heads` heads, K = 2048 slots
+    into a CACHE_ROWS cache of `row_nbytes`-byte rows, in a CUDA graph over input sets past 2x the L2, with split
+    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks). Also bench_few_heads'.
+    Returns (µs, workspace, outs, lses, sets)."""
+    sets = rotation_sets(rows * K * row_nbytes, lo=1, hi=24)
+    qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
     ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
     cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
-    outs = [torch.empty((rows, HEADS, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    lses = [torch.empty((rows, HEADS), device=dev) for _ in range(sets)]
-    need = rows * splits * HEADS  # scratch for exactly these splits (make_workspace sizes for choose_splits' picks)
+    outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+    lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
+    need = rows * splits * heads
     ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
-                      dummy_lse=torch.empty(rows * HEADS, device=dev), capacity=need, max_rows=rows, heads=HEADS)
-    us = cuda_graph_time_us([_runner(name, qs[i], kv, ss[i], cs, outs[i], lses[i], ws, splits) for i in range(sets)])
+                      dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
+    us = cuda_graph_time_us([make_call(qs[i], ss[i], cs, outs[i], lses[i], ws) for i in range(sets)])
     return us, ws, outs, lses, sets
+
+
+def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
+    """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
+    return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
+                        rows, HEADS, splits, row_bytes("fp8"), dev, g)
 
 
 def _config(name: str) -> td.Config:

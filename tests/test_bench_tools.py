@@ -231,3 +231,21 @@ def test_plot_gluon_draws_the_committed_runs(tmp_path: Path) -> None:
                         "--out", str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert png.stat().st_size > 10_000
+
+
+def test_time_rotated_builds_each_set_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_gluon.time_rotated (both Gluon benches' timer) on a CPU, the graph timer replaced by one eager call a
+    set: every set gets its own query, slots, out and LSE of the asked shape, one workspace sized for the splits."""
+    import bench_gluon as bg
+
+    seen = []
+    monkeypatch.setattr(bg, "cuda_graph_time_us", lambda calls: [c() for c in calls] and 1.5)
+
+    def make_call(q, slots, counts, out, lse, ws):
+        return lambda: seen.append((q.shape, slots.shape, counts.tolist(), out.shape, lse.shape, ws.capacity))
+
+    g = torch.Generator().manual_seed(0)
+    us, ws, outs, lses, sets = bg.time_rotated(make_call, 3, 12, 2, 576, torch.device("cpu"), g)
+    assert us == 1.5 and len(seen) == sets == len(outs) == len(lses) >= 1
+    assert seen[0] == ((3, 12, 576), (3, bg.K), [bg.K] * 3, (3, 12, 512), (3, 12), 3 * 2 * 12)
+    assert ws.part_out.numel() == 3 * 2 * 12 * 512
