@@ -1,5 +1,5 @@
-"""Which kernel TritonDecode runs: the Gluon ones for fp8 at > 32 heads and at <= 16 heads on Hopper, this package's
-Triton one elsewhere.
+"""Which kernel TritonDecode runs: on Hopper the Gluon ones (fp8 at > 32 heads; at <= 32 heads the few-heads kernel
+for the formats and head counts it was verified for), this package's Triton one elsewhere.
 
 Runs everywhere: on a CPU (CI) it checks the fallback and GluonParams' argument rules; on a Hopper GPU also that
 the Gluon kernel is picked, and that VLLM_KIMI_DSA_GLUON=0 turns it off.
@@ -21,8 +21,6 @@ from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, def
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
 AUTO = HOPPER and gluon_verified()  # picked without being asked for
-AUTO_FEW = HOPPER and few_heads_verified()
-AUTO_FEW_NVFP4 = HOPPER and few_heads_verified("nvfp4_ds_mla")
 
 
 def _setup(fmt: str, heads: int) -> DecodeSetup:
