@@ -51,13 +51,12 @@ MAX_HEADS = 2 * BLOCK_H
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
 SPLIT_TILES = 2.0
-# Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py); TritonDecode picks it
-# by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any gluon_decode.SUPPORTED_TRITON version).
-VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
-# The same for the shapes written after the last device run: nvfp4_ds_mla (FewHeadsParams.nvfp4) and 17..32 heads
-# (16-head blocks), by (format, more than one head block). None yet.
-MORE_VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
-    ("fp8", True): (), ("nvfp4_ds_mla", False): (), ("nvfp4_ds_mla", True): ()}
+# Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py), by (cache format, more than
+# one 16-head block): TritonDecode picks it by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any
+# gluon_decode.SUPPORTED_TRITON version). fp8 at <= 16 heads ran on the H200's 3.6; nvfp4_ds_mla and 17..32 heads
+# were written after the last device run.
+VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("fp8", False): ("3.6",), ("fp8", True): (), ("nvfp4_ds_mla", False): (), ("nvfp4_ds_mla", True): ()}
 
 if gd.gl is not None:
     gl = gd.gl
@@ -481,15 +480,14 @@ def few_heads_config() -> td.Config:
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
-    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
+    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
+                CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
                 L2_PREFETCH=params.l2_prefetch, NVFP4=params.nvfp4)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
     """Whether this Triton version is one the kernel passed its GPU tests on, for this cache format and head count."""
-    multi = heads > BLOCK_H
-    return gd._triton_is(VERIFIED_TRITON if (fmt, multi) == ("fp8", False) else MORE_VERIFIED_TRITON[(fmt, multi)])
+    return gd._triton_is(VERIFIED_TRITON[(fmt, heads > BLOCK_H)])
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
@@ -515,7 +513,7 @@ def few_heads_sparse_mla_decode(
     splits: int | None = None,
     params: FewHeadsParams | None = None,
 ) -> Any:
-    """Sparse MLA decode for <= 16 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
+    """Sparse MLA decode for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
     nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
     query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above 16, 16-head blocks).
@@ -525,16 +523,16 @@ def few_heads_sparse_mla_decode(
     reason = gd.gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
-    fmt = "nvfp4_ds_mla" if params is not None and params.nvfp4 else "fp8"
+    params = params or FewHeadsParams()
+    fmt = "nvfp4_ds_mla" if params.nvfp4 else "fp8"
     td._check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
-    params = params or FewHeadsParams()
     if heads > MAX_HEADS:
         raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
     cfg = params.config()
     width = slots.shape[1]
     if workspace is None:
-        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
+        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
     if splits is None:
         splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
     if rows == 0:
