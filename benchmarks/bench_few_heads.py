@@ -54,8 +54,7 @@ def _config(name: str, heads: int) -> td.Config:
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
     if name.startswith("triton"):
-        fmt = _fmt(name)
-        cfg = td.default_config(q.shape[1], fmt)
+        fmt, cfg = _fmt(name), _config(name, q.shape[1])
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     params = FewHeadsParams(**VARIANTS[name])
