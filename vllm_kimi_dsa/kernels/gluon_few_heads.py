@@ -202,15 +202,26 @@ if gd.gl is not None:
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
-        """The few-heads kernel's mbarriers: k_ready (the gatherer's cp.async arrivals + its bias publish), k_empty
-        (the consumer after Q.K, the converter), v_ready (the converter), v_empty (the consumer after P.V)."""
+    def _alloc_rings(BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
+        """The buffers both row formats share, allocated after their Q and K-stage buffers: the V16 ring of half tiles,
+        P (heads x tokens, read as P^T), the token bias, and the mbarriers, initialized: k_ready (the gatherer's
+        cp.async arrivals + its bias publish), k_empty (the consumer after Q.K, the converter), v_ready (the
+        converter), v_empty (the consumer after P.V)."""
+        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
+        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
+        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=129)
             mbarrier.init(k_empty.index(i), count=2)
         for i in gl.static_range(V_SLOTS):
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=1)
+        return v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
     def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
@@ -278,14 +289,7 @@ if gd.gl is not None:
         pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
         sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
         k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
-        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
-        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
-        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES, V_SLOTS)
+        v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
 
         # Q: latent dims 2 c and 2 c + 1 to fp16 (exact), RoPE as is; padded heads 0
         q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -354,19 +358,11 @@ if gd.gl is not None:
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
         q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
         k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
         k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
-        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
-        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)  # P (heads x tokens), read as P^T
-        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        _init_ring_barriers(k_ready, k_empty, v_ready, v_empty, K_STAGES, V_SLOTS)
+        v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
 
         # Q (BH heads x 576 e4m3; padded heads 0) into shared memory, by this (consumer) warpgroup
         q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
