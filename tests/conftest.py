@@ -27,6 +27,7 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
@@ -59,11 +60,14 @@ class ReferenceKernel:
 
 
 # Hopper's fp8 wgmma adds the (exact) e4m3 products into an accumulator that keeps about 14
-# significant bits (DeepSeek-V3 report, 3.3.2), not fp32's 24. Over the 18 k-steps of 32 that make
-# a 576-long dot, the logit error is at most 18 * 2**-14 of sum_d |q_d k_d| (times the softmax
-# scale). The LSE, a soft maximum, inherits that bound; a logit error e moves each p by a factor
-# exp(+-e), so an output bound gains 2e * max|v|.
-WGMMA_REL = 18 * 2.0**-14
+# significant bits (DeepSeek-V3 report, 3.3.2), not fp32's 24: each k-step of 32 dims can lose 2**-14
+# of the running sum of |q_d k_d|. A 576-long dot is 18 k-steps; the Gluon nvfp4 kernel runs only the
+# 64 RoPE dims (2 k-steps) on it (its latent dot is fp16 x fp16, exact products, fp32 sums). The LSE, a
+# soft maximum, inherits that logit bound; a logit error e moves each p by a factor exp(+-e), so an
+# output bound gains 2e * max|v|.
+WGMMA_STEP_REL = 2.0**-14
+ALL_DIMS = slice(0, HEAD_DIM)
+ROPE_DIMS = slice(LATENT_DIM, HEAD_DIM)
 
 
 def fp8_wgmma(config, fmt: str) -> bool:
@@ -73,17 +77,29 @@ def fp8_wgmma(config, fmt: str) -> bool:
     )
 
 
-def wgmma_logit_bound(query, kv_rows, slots, counts, fmt: str, softmax_scale: float) -> torch.Tensor:
-    """(rows,) bound of the fp8-wgmma logit error: WGMMA_REL * scale * max_j sum_d |q_d k_jd|, per row."""
+def fp8_wgmma_dims(kernel, fmt: str) -> slice | None:
+    """The head dims whose Q.K a "triton" DecodeKernel runs on fp8 wgmma (None: none): every dim for the fp8
+    wgmma configs, the RoPE only for the Gluon nvfp4 kernel; None for the reference stand-in."""
+    if getattr(getattr(kernel, "gluon", None), "nvfp4", False):
+        return ROPE_DIMS if torch.cuda.is_available() else None
+    config = getattr(kernel, "config", None)
+    return ALL_DIMS if config is not None and fp8_wgmma(config, fmt) else None
+
+
+def wgmma_logit_bound(query, kv_rows, slots, counts, fmt: str, softmax_scale: float,
+                      dims: slice = ALL_DIMS) -> torch.Tensor:
+    """(rows,) bound of the fp8-wgmma logit error over `dims`: k-steps * 2**-14 * scale * max_j sum_d |q_d k_jd|."""
     from vllm_kimi_dsa.formats import dequantize_rows
 
+    steps = -(-(dims.stop - dims.start) // 32)
     bound = torch.zeros(slots.shape[0], device=query.device)
     for i in range(slots.shape[0]):
         c = int(counts[i])
         ids = slots[i, :c][slots[i, :c] >= 0].long()
         if ids.numel():
-            k_abs = dequantize_rows(kv_rows[ids], fmt).abs()
-            bound[i] = (query[i].float().abs() @ k_abs.T).max() * abs(softmax_scale) * WGMMA_REL
+            k_abs = dequantize_rows(kv_rows[ids], fmt)[:, dims].abs()
+            dot = (query[i].float()[:, dims].abs() @ k_abs.T).max()
+            bound[i] = dot * abs(softmax_scale) * steps * WGMMA_STEP_REL
     return bound
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import fp8_wgmma, wgmma_logit_bound
+from conftest import fp8_wgmma_dims, wgmma_logit_bound
 
 from vllm_kimi_dsa.core import FlashInferCore
 from vllm_kimi_dsa.dcp import merge_dcp
@@ -119,10 +119,11 @@ def check_dcp_equals_tp(fmt: str, dcp: int, interleave: int, heads: int, width: 
     # which hold every rank's), and the output by 2 e max|v| on either side.
     scale = tp_out.float().abs().max().item()
     logit, vmax = 0.0, 0.0
-    config = getattr(tp._kernel_by_rows[rows], "config", None)  # None: the reference stand-in
-    if config is not None and fp8_wgmma(config, fmt):
+    dims = fp8_wgmma_dims(tp._kernel_by_rows[rows], fmt)  # None for the reference stand-in
+    if dims:
         kv_rows, _ = tp.rows(tp_cache, BLOCK)
-        logit = float(wgmma_logit_bound(query, kv_rows, tp.buffers.slots[:rows], tp_counts, fmt, tp.softmax_scale).max())
+        logit = float(wgmma_logit_bound(query, kv_rows, tp.buffers.slots[:rows], tp_counts, fmt, tp.softmax_scale,
+                                        dims).max())
         vmax = float(dequantize_rows(kv_rows, fmt)[:, :512].abs().max()) * tp.output_scale
     torch.testing.assert_close(out, tp_out.float(), atol=4 * 2**-8 * scale + 4 * logit * vmax, rtol=0)
     finite = torch.isfinite(tp_lse)

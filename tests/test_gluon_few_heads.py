@@ -1,4 +1,5 @@
-"""GPU tests of the few-heads Gluon decode (kernels/gluon_few_heads.py: fp8, <= 16 heads) against reference_decode.
+"""GPU tests of the few-heads Gluon decode (kernels/gluon_few_heads.py: fp8 and nvfp4_ds_mla, <= 32 heads) against
+reference_decode.
 
 Hopper only: the GPU tests skip with the reason where gluon_available() is False (CPU CI, other GPUs, other Triton
 versions); the check that every case is a valid FewHeadsParams runs everywhere. Inputs are test_gluon_decode's:
@@ -6,7 +7,9 @@ fresh random fp8 rows, -1 holes, junk past counts, a count-0 row and an all-hole
 heads (12 and 1 pad the 16-wide MMA; 20, 24 and 32 run as 16-head blocks), widths 128 / 1024 / 2048, one split and several (the combine), K rings of
 2-4 and V16 rings of 2-4 half tiles, gathers and conversions in two producer warpgroups or one, with and without the gatherer's L2 prefetch, conversion steps of 16 / 32 rows, outputs poisoned with NaN, a CUDA-graph
 capture / replay. Tolerance: test_triton_decode's check with this kernel's config (bf16 output rounding, fp16 P,
-fp8 wgmma logits within conftest.wgmma_logit_bound); NaN never passes.
+fp8 wgmma logits within conftest.wgmma_logit_bound: all 576 dims for fp8, the 64 RoPE dims for nvfp4, whose latent
+dot is exact fp16 products); NaN never passes. test_nvfp4_check_catches_planted_faults (CPU) shows that check fails
+on the faults a wrong nvfp4 layout would make.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from conftest import ROPE_DIMS
 from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
@@ -82,11 +86,13 @@ CASES = [
     Case(7, 24, 1024, splits=3),
     Case(33, 20, 128),
     Case(320, 32, 2048),
+    Case(19, 32, 2048, splits=2, split_producer=False),
     # the gatherer's L2 prefetch (prepared after the last device run: these are its first GPU checks)
     Case(5, 16, 2048, splits=1, l2_prefetch=True),
     Case(19, 12, 2048, splits=2, l2_prefetch=True),
     Case(33, 12, 128, splits=1, l2_prefetch=True),
     Case(320, 16, 2048, l2_prefetch=True),
+    Case(7, 24, 2048, splits=3, l2_prefetch=True),
 ]
 
 # nvfp4_ds_mla (prepared after the last device run: these are its first GPU checks)
@@ -107,8 +113,43 @@ NVFP4_CASES = [
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
-    # nvfp4: latent logits in fp16 (exact products, fp32 sums), RoPE logits on fp8 wgmma: the fp8 bound applies
-    triton_check(out, lse, q, kv, slots, counts, fmt, ss, os_, config=few_heads_config(), wgmma=True)
+    # nvfp4: latent logits in fp16 (exact products, fp32 sums), only the RoPE logits on fp8 wgmma (2 k-steps)
+    wgmma = ROPE_DIMS if fmt == "nvfp4_ds_mla" else True
+    triton_check(out, lse, q, kv, slots, counts, fmt, ss, os_, config=few_heads_config(), wgmma=wgmma)
+
+
+def _planted(fault: str, out: torch.Tensor, lse: torch.Tensor, q, kv, slots, counts, ss, os_):
+    """The reference's answer with one fault of the kind a wrong nvfp4 layout or scale would make."""
+    out, lse = out.clone(), lse.clone()
+    if fault == "even_odd_swapped":
+        out[..., 0::2], out[..., 1::2] = out[..., 1::2].clone(), out[..., 0::2].clone()
+    elif fault == "halves_swapped":
+        out[..., :256], out[..., 256:] = out[..., 256:].clone(), out[..., :256].clone()
+    elif fault == "one_scale_block_zero":
+        out[..., 32:48] = 0
+    elif fault == "rope_halved":  # the RoPE logits at half weight: a wrong RoPE scale
+        q_half = q.float()
+        q_half[..., 512:] *= 0.5
+        ref = reference_decode(q_half.to(q.dtype), kv, slots, counts, fmt="nvfp4_ds_mla", softmax_scale=ss,
+                               output_scale=os_)
+        out, lse = ref[0].to(out.dtype), ref[1]
+    elif fault == "lse_row0_off_by_0.05":  # inside the full 576-dim fp8 bound of row 0 (0.16), outside the RoPE one
+        lse[0] += 0.05
+    return out, lse
+
+
+@pytest.mark.parametrize("fault", ["even_odd_swapped", "halves_swapped", "one_scale_block_zero", "rope_halved",
+                                   "lse_row0_off_by_0.05"])
+def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
+    """Runs on CPU: the nvfp4 tolerance (fp8 wgmma bound on the RoPE dims only) passes the reference's own answer and
+    fails each planted fault, so the GPU cases above can fail."""
+    fmt = "nvfp4_ds_mla"
+    q, kv, slots, counts, ss, os_ = _case(5, 12, 256, seed=3, fmt=fmt)
+    ref_out, ref_lse = reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_)
+    _check(ref_out.to(torch.bfloat16), ref_lse, q, kv, slots, counts, ss, os_, fmt=fmt)
+    out, lse = _planted(fault, ref_out.to(torch.bfloat16), ref_lse, q, kv, slots, counts, ss, os_)
+    with pytest.raises(AssertionError):
+        _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
 
 
 @GPU
@@ -134,25 +175,29 @@ def test_without_lse() -> None:
 
 
 @GPU
-def test_agrees_with_triton_kernel() -> None:
-    """Same inputs through the plain-Triton transposed kernel: they differ by no more than their own errors allow."""
-    q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4_ds_mla"])
+def test_agrees_with_triton_kernel(fmt: str) -> None:
+    """Same inputs through the plain-Triton kernel (its nvfp4 decode is GPU-tested on its own): they differ by no
+    more than their own errors allow."""
+    q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11, fmt=fmt)
     out_g, lse_g = _poisoned(20, 12)
     out_t, lse_t = _poisoned(20, 12)
-    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g)
-    triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out_t,
+    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
+    few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g,
+                                params=params)
+    triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out_t,
                                     lse=lse_t)
     torch.cuda.synchronize()
-    _check(out_g, lse_g, q, kv, slots, counts, ss, os_)
+    _check(out_g, lse_g, q, kv, slots, counts, ss, os_, fmt=fmt)
     assert torch.equal(torch.isfinite(lse_t), torch.isfinite(lse_g))
-    assert_agree(out_g, out_t, reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)[0])
+    assert_agree(out_g, out_t, reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_)[0])
 
 
 @GPU
-@pytest.mark.parametrize("fmt,splits", [("fp8", 1), ("fp8", 4), ("nvfp4_ds_mla", 3)])
-def test_cuda_graph_replay(fmt: str, splits: int) -> None:
+@pytest.mark.parametrize("fmt,splits,heads", [("fp8", 1, 12), ("fp8", 4, 12), ("nvfp4_ds_mla", 3, 12), ("fp8", 2, 24)])
+def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
-    rows, heads, width = 7, 12, 1024
+    rows, width = 7, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
     ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
                                       config=few_heads_config())

@@ -24,7 +24,7 @@ from vllm_kimi_dsa.kernels.triton_decode import (
     sparse_mla_decode,
 )
 from vllm_kimi_dsa.reference import reference_decode
-from conftest import fp8_wgmma, wgmma_logit_bound
+from conftest import ALL_DIMS, fp8_wgmma, wgmma_logit_bound
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -84,11 +84,12 @@ def _fp8_wgmma(heads, fmt, config=None):
 
 
 def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None):
-    """wgmma: whether some logits come from fp8 wgmma without promotion (None: from the config; the Gluon nvfp4
-    kernel passes True for its fp8 RoPE dot, bounded by the full-dot bound, conservatively)."""
+    """wgmma: the head dims whose logits come from fp8 wgmma without promotion (a slice, e.g. conftest.ROPE_DIMS for
+    the Gluon nvfp4 kernel), True for all, False for none; None: from the config."""
     if wgmma is None:
         wgmma = _fp8_wgmma(q.shape[1], fmt, config)  # nvfp4 runs every dot in fp16 (exact sums)
-    logit_err = (wgmma_logit_bound(q, kv, slots, counts, fmt, softmax_scale).view(-1, 1, 1) if wgmma
+    dims = ALL_DIMS if wgmma is True else wgmma
+    logit_err = (wgmma_logit_bound(q, kv, slots, counts, fmt, softmax_scale, dims).view(-1, 1, 1) if dims
                  else torch.zeros(1, 1, 1, device=q.device))
     ref_out, ref_lse = reference_decode(
         q, kv, slots, counts, fmt=fmt, softmax_scale=softmax_scale, output_scale=output_scale
@@ -119,7 +120,7 @@ def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, con
     num = (o - ref_out)[nz].norm(dim=-1)
     den = ref_out[nz].norm(dim=-1).clamp_min(1e-30)
     # the norm check only where the logits are exact to fp32 (the wgmma error is bounded above)
-    if not wgmma:
+    if not dims:
         assert (num / den).max().item() <= NORM_REL
 
 
@@ -155,6 +156,16 @@ def test_tiny_splits_and_128_heads(fmt):
     # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.
     _run_functional(2, 128, 256, fmt, seed=7, splits=3)
     _run_functional(3, 16, 256, fmt, seed=8, splits=1, with_lse=False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_rows_is_a_no_op(fmt):
+    """An empty batch launches nothing and needs no workspace (None is not sized for 0 rows)."""
+    q, kv, slots, counts, ss, os_ = _case(2, 16, 128, fmt, seed=1)
+    out = torch.empty((0, 16, LATENT_DIM), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty((0, 16), device=DEVICE)
+    assert sparse_mla_decode(q[:0], kv, slots[:0], counts[:0], fmt=fmt, softmax_scale=ss, output_scale=os_, out=out,
+                             lse=lse) is None
 
 
 def test_bad_input_names_argument():

@@ -1,5 +1,6 @@
 """Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): <= 16 heads (K3.1's 12 / 16 a rank), FP8 cache
-(and, prepared but not yet run on a GPU, nvfp4_ds_mla: see the end of this docstring).
+(and, prepared but not yet run on a GPU: nvfp4_ds_mla, and 17..32 heads as 16-head blocks; see the end of this
+docstring).
 
 With few heads a row the decode is bound by the gathered bytes (576 a token), not by the tensor cores, so the
 design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
@@ -26,8 +27,9 @@ and 3.8, NOT yet run on a GPU, so TritonDecode picks it only with VLLM_KIMI_DSA_
 of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
 fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
 
-Not for more than 16 heads (a 32-head consumer spills: 128 accumulator registers; > 32 heads run
-gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
+17..32 heads (MULTI_HB; prepared, NOT yet run on a GPU): one CTA a 16-head block (a 32-head consumer would spill:
+128 accumulator registers), each gathering its rows again (from L2 when its sibling runs beside it). Not for more
+than 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
 Gluon.
 """
 
@@ -527,10 +529,10 @@ def few_heads_sparse_mla_decode(
         raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
     cfg = params.config()
     width = slots.shape[1]
+    if rows == 0:  # nothing to launch (and no workspace to size)
+        return None
     if workspace is None:
         workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
     if splits is None:
         splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
-    if rows == 0:
-        return None
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)

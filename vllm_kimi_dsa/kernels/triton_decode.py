@@ -603,12 +603,12 @@ def sparse_mla_decode(
     _check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
     cfg = config or default_config(heads, fmt)
+    if rows == 0:  # nothing to launch (and no workspace to size)
+        return None
     if workspace is None:
         workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(slots.shape[1],), fmt=fmt, config=cfg)
     if splits is None:
         splits = choose_splits(rows, heads, slots.shape[1], cfg, num_sms(query.device))
-    if rows == 0:
-        return None
     return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
