@@ -194,7 +194,9 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("fmt,splits,heads", [("fp8", 1, 12), ("fp8", 4, 12), ("nvfp4_ds_mla", 3, 12), ("fp8", 2, 24)])
+@pytest.mark.parametrize("fmt,splits,heads", [
+    pytest.param(f, s, h, id=f"{f}-s{s}-h{h}") for f, s, h in (("fp8", 1, 12), ("fp8", 4, 12), ("nvfp4_ds_mla", 3, 12),
+                                                                 ("fp8", 2, 24))])
 def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
