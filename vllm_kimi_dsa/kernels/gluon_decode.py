@@ -794,11 +794,7 @@ def gluon_sparse_mla_decode(
                          pv_first=pv_first, qk_split=qk_split, cvt_rows=cvt_rows, consumer_regs=consumer_regs,
                          producer_regs=producer_regs)
     cfg = params.config()
-    width = slots.shape[1]
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
-    if workspace is None:
-        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
-    if splits is None:
-        splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
+    workspace, splits = td.one_off_scratch(query, slots, "fp8", cfg, workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)

@@ -528,11 +528,7 @@ def few_heads_sparse_mla_decode(
     if heads > MAX_HEADS:
         raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
     cfg = params.config()
-    width = slots.shape[1]
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
-    if workspace is None:
-        workspace = td.make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
-    if splits is None:
-        splits = td.choose_splits(rows, heads, width, cfg, td.num_sms(query.device))
+    workspace, splits = td.one_off_scratch(query, slots, fmt, cfg, workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)

@@ -573,6 +573,18 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
     return compiled
 
 
+def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: Config,
+                    workspace: Workspace | None, splits: int | None) -> tuple[Workspace, int]:
+    """The workspace and split count of a single call (tests, benchmarks) where the caller gave none: sized for
+    exactly this call, split as choose_splits picks. Not for the hot path (it allocates)."""
+    rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
+    if workspace is None:
+        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=config)
+    if splits is None:
+        splits = choose_splits(rows, heads, width, config, num_sms(query.device))
+    return workspace, splits
+
+
 def sparse_mla_decode(
     query: torch.Tensor,
     kv_rows: torch.Tensor,
@@ -605,10 +617,7 @@ def sparse_mla_decode(
     cfg = config or default_config(heads, fmt)
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
-    if workspace is None:
-        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(slots.shape[1],), fmt=fmt, config=cfg)
-    if splits is None:
-        splits = choose_splits(rows, heads, slots.shape[1], cfg, num_sms(query.device))
+    workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
     return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
