@@ -19,6 +19,6 @@ group fp8 "not nvfp4 and not pf1 and not h20 and not h24 and not h32"
 group multi_hb "not nvfp4 and (h20 or h24 or h32)"
 group l2_prefetch "pf1 and not h24"
 group nvfp4 "nvfp4"
-timeout ${BENCH_S:-360} python3 -u benchmarks/bench_few_heads.py --out "$OUT" ${ROWS:+--rows $ROWS} --heads ${HEADS:-16,12,32} \
+timeout ${BENCH_S:-360} python3 -u benchmarks/bench_few_heads.py --out "$OUT" ${ROWS:+--rows $ROWS} ${ONLY:+--only $ONLY} --heads ${HEADS:-16,12,32} \
   --splits "${PROBE-320:1,2,3;80:1,2,4;5:8,16,32}" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
 echo "bench rc=${PIPESTATUS[0]}"
