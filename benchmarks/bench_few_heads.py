@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, WS_OPTIONS, split_workspace, time_rotated, ws_options  # noqa: E402
+from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated  # noqa: E402
 from bench_suite import ceilings  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
@@ -35,11 +35,10 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_spar
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
-# ("partial_dtype" / "pdl": make_workspace's options, as in bench_gluon.) Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
+# Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
                              "few-joined": {"split_producer": False}, "few-l2pf": {"l2_prefetch": True},
-                             "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True},
-                             "few-f16p-pdl": {"partial_dtype": "float16", "pdl": True}}
+                             "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True}}
 NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
 
 
@@ -50,29 +49,22 @@ def _fmt(name: str) -> str:
 def _config(name: str, heads: int) -> td.Config:
     if name.startswith("triton"):
         return td.default_config(heads, _fmt(name))
-    return _params(name).config()
-
-
-def _params(name: str) -> FewHeadsParams:
-    return FewHeadsParams(**{k: v for k, v in VARIANTS[name].items() if k not in WS_OPTIONS})
+    return FewHeadsParams(**VARIANTS[name]).config()
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
-    opts = ws_options(VARIANTS.get(name, {}))
-    if ws is None and opts:
-        ws = split_workspace(q.shape[0], q.shape[1], splits, q.device, **opts)
     if name.startswith("triton"):
         fmt, cfg = _fmt(name), _config(name, q.shape[1])
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    params = _params(name)
+    params = FewHeadsParams(**VARIANTS[name])
     return lambda: few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                                lse=lse, workspace=ws, splits=splits, params=params)
 
 
 def _time(name: str, heads: int, rows: int, splits: int, kv, dev, g) -> float:
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, heads, splits, row_bytes(_fmt(name)), dev, g, **ws_options(VARIANTS.get(name, {})))[0]
+                        rows, heads, splits, row_bytes(_fmt(name)), dev, g)[0]
 
 
 def main() -> None:

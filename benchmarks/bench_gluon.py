@@ -43,54 +43,26 @@ CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
 # name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
-# ("partial_dtype" / "pdl" are make_workspace's options, not GluonParams: the split partials' dtype, the combine as a
-# programmatic dependent launch)
-GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-f16p": {"partial_dtype": "float16"},
-                                   "gluon-f16p-pdl": {"partial_dtype": "float16", "pdl": True},
-                                   "triton-f16p-pdl": {"partial_dtype": "float16", "pdl": True},
-                                   "gluon-v2": {"v_slots": 2},
+GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-v2": {"v_slots": 2},
                                    "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
                                    "gluon-no-qk-split": {"qk_split": False},
                                    "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True}}
 
 
-WS_OPTIONS = ("partial_dtype", "pdl")
-
-
-def ws_options(overrides: dict) -> dict:
-    """The make_workspace options among a variant's overrides (dtype names as torch dtypes)."""
-    opts = {k: v for k, v in overrides.items() if k in WS_OPTIONS}
-    if "partial_dtype" in opts:
-        opts["partial_dtype"] = getattr(torch, opts["partial_dtype"])
-    return opts
-
-
-def split_workspace(rows: int, heads: int, splits: int, dev, **opts) -> td.Workspace:
-    """Split scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks only)."""
-    need = rows * max(splits, 1) * heads
-    dtype = opts.get("partial_dtype") or td.PARTIAL_DTYPE
-    return td.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=dtype, device=dev),
-                        part_lse=torch.empty(need, device=dev), dummy_lse=torch.empty(rows * heads, device=dev),
-                        capacity=need, max_rows=rows, heads=heads, pdl=bool(opts.get("pdl", False)))
-
-
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
-    overrides = GLUON_VARIANTS.get(name, {})
-    if ws is None and ws_options(overrides):
-        ws = split_workspace(q.shape[0], q.shape[1], splits, q.device, **ws_options(overrides))
-    if name.startswith("triton"):
+    if name == "triton":
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    params = GluonParams(**{k: v for k, v in overrides.items() if k not in WS_OPTIONS})
+    params = GluonParams(**GLUON_VARIANTS[name])
     return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
-def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g, **opts):
+def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g):
     """µs per call of make_call(q, slots, counts, out, lse, ws)() at `rows` rows of `heads` heads, K = 2048 slots
     into a CACHE_ROWS cache of `row_nbytes`-byte rows, in a CUDA graph over input sets past 2x the L2, with split
-    scratch for exactly `splits` splits (split_workspace; opts: its partial_dtype / pdl). Also bench_few_heads'.
+    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks). Also bench_few_heads'.
     Returns (µs, workspace, outs, lses, sets)."""
     sets = rotation_sets(rows * K * row_nbytes, lo=1, hi=24)
     qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
@@ -98,7 +70,9 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
     outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
-    ws = split_workspace(rows, heads, splits, dev, **opts)
+    need = rows * splits * heads
+    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
+                      dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
     us = cuda_graph_time_us([make_call(qs[i], ss[i], cs, outs[i], lses[i], ws) for i in range(sets)])
     return us, ws, outs, lses, sets
 
@@ -106,13 +80,11 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
 def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
     """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, HEADS, splits, row_bytes("fp8"), dev, g, **ws_options(GLUON_VARIANTS.get(name, {})))
+                        rows, HEADS, splits, row_bytes("fp8"), dev, g)
 
 
 def _config(name: str) -> td.Config:
-    if name.startswith("triton"):
-        return td.default_config(HEADS, "fp8")
-    return gluon_config(GLUON_VARIANTS[name].get("block_n", GluonParams().block_n))
+    return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GluonParams(**GLUON_VARIANTS[name]).block_n)
 
 
 def main() -> None:
@@ -124,12 +96,12 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS]  # "triton*": triton_decode's default config
+    names = ["triton", *GLUON_VARIANTS]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
         print(f"Gluon kernel unavailable: {gluon_unavailable_reason()}; timing triton only")
-        names = [n for n in names if n.startswith("triton")]
+        names = [n for n in names if n == "triton"]
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(1)

@@ -196,14 +196,10 @@ def test_gluon_bench_variants_are_valid_params() -> None:
     from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
     from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams
 
-    for name, overrides in bg.GLUON_VARIANTS.items():
-        GluonParams(**{k: v for k, v in overrides.items() if k not in bg.WS_OPTIONS})
-        opts = bg.ws_options(overrides)
-        ws = bg.split_workspace(3, 128, 2, torch.device("cpu"), **opts)  # the dtype / pdl a variant names
-        assert ws.part_out.dtype == opts.get("partial_dtype", torch.float32) and ws.pdl == opts.get("pdl", False), name
-        assert bg._config(name).block_n in (32, 64)
+    for overrides in bg.GLUON_VARIANTS.values():
+        GluonParams(**overrides)
     for name, overrides in bfh.VARIANTS.items():
-        params = bfh._params(name)
+        params = FewHeadsParams(**overrides)
         assert params.nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
     for name in bfh.NAMES:
         for heads in (12, 16, 32):

@@ -185,16 +185,13 @@ def assert_agree(out_a: torch.Tensor, out_b: torch.Tensor, ref: torch.Tensor) ->
 
 
 @GPU
-@pytest.mark.parametrize("splits,f16p", [(1, False), (4, False), (4, True), (2, True)],
-                         ids=["s1", "s4", "s4-f16p-pdl", "s2-f16p-pdl"])
-def test_cuda_graph_replay(splits: int, f16p: bool) -> None:
-    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers; f16p:
-    fp16 split partials and the combine as a programmatic dependent launch."""
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_graph_replay(splits: int) -> None:
+    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, heads, width = 7, 128, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
-    opts = dict(partial_dtype=torch.float16, pdl=True) if f16p else {}
     ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
-                                      config=gluon_config(), **opts)
+                                      config=gluon_config())
     out, lse = _poisoned(rows, heads)
 
     def call() -> None:

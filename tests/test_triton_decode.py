@@ -39,9 +39,7 @@ FORMATS = ("fp8", "nvfp4_ds_mla")
 # Triton's interpreter (CPU) truncates fp32 -> bf16 instead of rounding: one ulp, 2**-7 relative.
 BF16_REL = 2.0**-8 if GPU else 2.0**-7
 OUT_REL = BF16_REL + 2.0**-12  # of |ref|: the bf16 rounding, plus slack for fp32 summation order
-# of max_j |v_j| * output_scale: the fp16 P bound (2**-11) doubled for the split combine, which also covers fp16
-# split partials (a partial is a convex combination of v, rounded to 2**-12 of max |v|)
-P_ERR = 2.0**-10
+P_ERR = 2.0**-10  # of max_j |v_j| * output_scale (the fp16 P bound doubled for the split combine)
 NORM_REL = BF16_REL + 2.0**-10  # ||out - ref|| / ||ref|| per (row, head): worst-case rounding + P
 LSE_ATOL = 2e-4  # mma.sync / interpreter paths (H <= 32): fp32 accumulation, ~1e-5 seen
 # fp8 Q.K on Hopper's wgmma (64-head tiles, the transposed kernel) sums with ~14 bits: the bound is
@@ -126,18 +124,13 @@ def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, con
         assert (num / den).max().item() <= NORM_REL
 
 
-def _run_functional(rows, heads, width, fmt, seed, *, with_lse=True, config=None, splits=None, **ws_options):
-    """ws_options: make_workspace's partial_dtype / pdl (a workspace made for this call), else the defaults."""
+def _run_functional(rows, heads, width, fmt, seed, *, with_lse=True, config=None, splits=None):
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=seed)
-    workspace = None
-    if ws_options:
-        workspace = make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
-                                   config=config or default_config(heads, fmt), **ws_options)
     out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse = torch.full((rows, heads), float("nan"), device=DEVICE) if with_lse else None
     sparse_mla_decode(
         q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-        config=config, splits=splits, workspace=workspace,
+        config=config, splits=splits,
     )
     if lse is None:
         _, lse = reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_)
@@ -163,23 +156,6 @@ def test_tiny_splits_and_128_heads(fmt):
     # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.
     _run_functional(2, 128, 256, fmt, seed=7, splits=3)
     _run_functional(3, 16, 256, fmt, seed=8, splits=1, with_lse=False)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_tiny_fp16_partials(fmt):
-    # the split partials in fp16 (make_workspace(partial_dtype=...)): the same bounds hold (P_ERR)
-    _run_functional(2, 128, 256, fmt, seed=17, splits=3, partial_dtype=torch.float16)
-    _run_functional(5, 12, 384, fmt, seed=18, splits=3, partial_dtype=torch.float16)
-
-
-def test_workspace_options_are_checked():
-    with pytest.raises(ValueError, match="partial_dtype"):
-        make_workspace("cpu", heads=16, max_rows=4, partial_dtype=torch.bfloat16)
-    if not GPU:
-        with pytest.raises(ValueError, match="pdl"):
-            make_workspace("cpu", heads=16, max_rows=4, pdl=True)
-    ws = make_workspace(DEVICE, heads=16, max_rows=4, partial_dtype=torch.float16)
-    assert ws.part_out.dtype == torch.float16 and ws.part_lse.dtype == torch.float32
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -269,18 +245,6 @@ gpu = pytest.mark.skipif(not GPU, reason="the full sweep needs a CUDA GPU (the i
 @pytest.mark.parametrize("rows,width", [(1, 2048), (5, 2048), (7, 128), (33, 1024), (320, 2048)])
 def test_gpu_sweep(fmt, heads, rows, width):
     _run_functional(rows, heads, width, fmt, seed=rows * 7 + heads * 13 + width)
-
-
-@gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads", [128, 16])
-@pytest.mark.parametrize("partial_dtype", [torch.float32, torch.float16])
-def test_gpu_partials_and_pdl_combine(fmt, heads, partial_dtype):
-    """Split partials in either dtype, the combine as a programmatic dependent launch (Hopper): every split count
-    the heuristic picks for these row counts, and forced splits."""
-    for rows, splits in ((1, None), (5, None), (7, 5), (33, 3)):
-        _run_functional(rows, heads, 2048, fmt, seed=rows * 31 + heads, splits=splits, partial_dtype=partial_dtype,
-                        pdl=torch.cuda.get_device_capability()[0] >= 9)
 
 
 @gpu

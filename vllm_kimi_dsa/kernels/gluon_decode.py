@@ -342,13 +342,6 @@ if gl is not None:
                       stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
 
     @gluon.jit
-    def launch_dependents():
-        """griddepcontrol.launch_dependents: the split combine (a programmatic dependent launch, Workspace.pdl) may
-        start once every CTA has issued this; without such a dependent it does nothing."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def _store_result(
         acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, out_scale,
@@ -378,7 +371,7 @@ if gl is not None:
         else:
             base = (row * num_splits + split) * H
             p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 1) + gl.expand_dims(offs_d, 0)
-            gl.store(p_ptrs, o.to(part_out_ptr.dtype.element_ty), mask=mask_o)
+            gl.store(p_ptrs, o, mask=mask_o)
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
@@ -576,7 +569,6 @@ if gl is not None:
         hb = gl.program_id(0)
         split = gl.program_id(1)
         row = gl.program_id(2)
-        launch_dependents()
 
         start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N)
 

@@ -197,8 +197,8 @@ if gd.gl is not None:
         else:
             base = (row * num_splits + split) * H
             p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
-            gl.store(p_ptrs, (acc0 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
-            gl.store(p_ptrs + d1_off, (acc1 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
+            gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
+            gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
             gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -344,7 +344,6 @@ if gd.gl is not None:
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         split = gl.program_id(1)
         row = gl.program_id(2)
-        gd.launch_dependents()
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:

@@ -14,16 +14,12 @@ from typing import Any, ClassVar
 import torch
 import triton
 import triton.language as tl
-import triton.language.extra.cuda  # noqa: F401  (gdc_wait / gdc_launch_dependents as tl.extra.cuda.*)
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# split partials' element type and whether the combine is a programmatic dependent launch (make_workspace's defaults)
-PARTIAL_DTYPE = torch.float32
-PDL_COMBINE = False
 
 
 # ----------------------------------------------------------------------------- configs
@@ -112,7 +108,7 @@ def _epilogue(
     else:
         base = (row * num_splits + split) * H
         p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :]
-        tl.store(p_ptrs, o.to(part_out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(p_ptrs, o, mask=mask_h[:, None])
         tl.store(part_lse_ptr + base + offs_h, lse2, mask=mask_h)
 
 
@@ -362,8 +358,6 @@ def _decode_kernel(
     split = tl.program_id(1)
     row = tl.program_id(2)
     D: tl.constexpr = 512
-    if PTX:  # a combine launched as a programmatic dependent may start once every CTA is resident (no effect else)
-        tl.extra.cuda.gdc_launch_dependents()
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -447,12 +441,10 @@ def _decode_kernel(
 def _combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-    SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, D: tl.constexpr,
 ):
     h = tl.program_id(0)
     row = tl.program_id(1)
-    if PDL:  # launched as a programmatic dependent of the main kernel: its partials are visible after this
-        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, SPLITS)
     mask_s = offs_s < num_splits
     offs_d = tl.arange(0, D)
@@ -463,7 +455,6 @@ def _combine_kernel(
     w = tl.exp2(lse2 - m_use)  # an empty split (lse -inf) weighs 0
     total = tl.sum(w, 0)
     o = tl.load(part_out_ptr + idx.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    o = o.to(tl.float32)
     has = total > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
     res = tl.sum(o * w[:, None], 0) * (inv * out_scale)
@@ -477,8 +468,7 @@ def _combine_kernel(
 
 @dataclass
 class Workspace:
-    """Split-KV scratch: part_out (capacity*512,) PARTIAL_DTYPE, part_lse (capacity,) fp32 (base-2 LSE), a dummy
-    lse (rows*H,)."""
+    """Split-KV scratch: part_out (capacity*512,) fp32, part_lse (capacity,) fp32, a dummy lse (rows*H,)."""
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
@@ -486,7 +476,6 @@ class Workspace:
     capacity: int  # rows * splits * heads entries the scratch holds
     max_rows: int
     heads: int
-    pdl: bool = False  # launch the combine as a programmatic dependent of the main kernel (Hopper and later)
 
 
 def make_workspace(
@@ -497,15 +486,8 @@ def make_workspace(
     widths: tuple[int, ...] | list[int] = (2048,),
     fmt: CacheFormat = "fp8",
     config: Config | None = None,
-    partial_dtype: torch.dtype | None = None,
-    pdl: bool | None = None,
 ) -> Workspace:
-    """Scratch for every call with rows <= max_rows, these heads and any of `widths`.
-
-    partial_dtype: the split partials' element type (None: PARTIAL_DTYPE); float32 or float16 (a partial is the
-    split's normalized output, |o| <= max |V| <= 2688 for either format's raw values, so fp16 holds it to
-    2**-11 relative, 4x below the bf16 output's rounding). pdl: the combine as a programmatic dependent launch
-    (None: PDL_COMBINE on a CUDA device of compute capability >= 9, off elsewhere)."""
+    """Scratch for every call with rows <= max_rows, these heads and any of `widths`."""
     device = torch.device(device)
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
@@ -519,22 +501,13 @@ def make_workspace(
             s = choose_splits(r, heads, w, cfg, sms)
             if s > 1:
                 need = max(need, r * s * heads)
-    partial_dtype = PARTIAL_DTYPE if partial_dtype is None else partial_dtype
-    if partial_dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"partial_dtype must be torch.float32 or torch.float16, got {partial_dtype}")
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    if pdl is None:
-        pdl = PDL_COMBINE and hopper
-    if pdl and not hopper:
-        raise ValueError(f"pdl needs a CUDA device of compute capability >= 9 (programmatic dependent launch), got {device}")
     return Workspace(
-        part_out=torch.empty(need * LATENT_DIM, dtype=partial_dtype, device=device),
+        part_out=torch.empty(need * LATENT_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
         dummy_lse=torch.empty(max_rows * heads, dtype=torch.float32, device=device),
         capacity=need,
         max_rows=max_rows,
         heads=heads,
-        pdl=pdl,
     )
 
 
@@ -577,8 +550,8 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
         _combine_kernel[(heads, rows)](
             ws.part_out, ws.part_lse, out, lse_t,
             heads, splits, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
-            SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM, PDL=ws.pdl,
-            num_warps=4, launch_pdl=ws.pdl,
+            SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM,
+            num_warps=4,
         )
 
 
