@@ -37,7 +37,7 @@ from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
 # Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
-                             "few-joined": {"split_producer": False}, "few-l2pf": {"l2_prefetch": True},
+                             "few-joined": {"split_producer": False},
                              "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True}}
 NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
 

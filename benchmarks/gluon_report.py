@@ -36,7 +36,7 @@ SIGNATURE = dict(
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
 # GluonParams overrides: the default, then one field changed at a time
-FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}, {"l2_prefetch": 1}]
+FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}]
 CONFIGS = [{}, {"pv_first": False}, {"v_slots": 2}, {"lazy": True}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
             "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")

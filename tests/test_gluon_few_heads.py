@@ -5,7 +5,7 @@ Hopper only: the GPU tests skip with the reason where gluon_available() is False
 versions); the check that every case is a valid FewHeadsParams runs everywhere. Inputs are test_gluon_decode's:
 fresh random fp8 rows, -1 holes, junk past counts, a count-0 row and an all-holes row; odd row counts, 1 / 12 / 16
 heads (12 and 1 pad the 16-wide MMA; 20, 24 and 32 run as 16-head blocks), widths 128 / 1024 / 2048, one split and several (the combine), K rings of
-2-4 and V16 rings of 2-4 half tiles, gathers and conversions in two producer warpgroups or one, with and without the gatherer's L2 prefetch, conversion steps of 16 / 32 rows, outputs poisoned with NaN, a CUDA-graph
+2-4 and V16 rings of 2-4 half tiles, gathers and conversions in two producer warpgroups or one, conversion steps of 16 / 32 rows, outputs poisoned with NaN, a CUDA-graph
 capture / replay. Tolerance: test_triton_decode's check with this kernel's config (bf16 output rounding, fp16 P,
 fp8 wgmma logits within conftest.wgmma_logit_bound: all 576 dims for fp8, the 64 RoPE dims for nvfp4, whose latent
 dot is exact fp16 products); NaN never passes. test_nvfp4_check_catches_planted_faults (CPU) shows that check fails
@@ -46,12 +46,11 @@ class Case:
     v_slots: int = 2
     cvt_rows: int = 32
     split_producer: bool = True
-    l2_prefetch: bool = False
     nvfp4: bool = False
 
     def params(self) -> FewHeadsParams:
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, l2_prefetch=self.l2_prefetch, nvfp4=self.nvfp4)
+                              split_producer=self.split_producer, nvfp4=self.nvfp4)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -81,21 +80,15 @@ CASES = [
     Case(320, 12, 2048, split_producer=False),
     Case(19, 12, 2048, splits=2, k_stages=3, v_slots=3, split_producer=False),
     Case(33, 12, 128, splits=1, k_stages=2, v_slots=4, split_producer=False),
-    # 17..32 heads as 16-head blocks (prepared after the last device run: these are their first GPU checks)
+    # 17..32 heads as 16-head blocks
     Case(5, 32, 2048, splits=1),
     Case(7, 24, 1024, splits=3),
     Case(33, 20, 128),
     Case(320, 32, 2048),
     Case(19, 32, 2048, splits=2, split_producer=False),
-    # the gatherer's L2 prefetch (prepared after the last device run: these are its first GPU checks)
-    Case(5, 16, 2048, splits=1, l2_prefetch=True),
-    Case(19, 12, 2048, splits=2, l2_prefetch=True),
-    Case(33, 12, 128, splits=1, l2_prefetch=True),
-    Case(320, 16, 2048, l2_prefetch=True),
-    Case(7, 24, 2048, splits=3, l2_prefetch=True),
 ]
 
-# nvfp4_ds_mla (prepared after the last device run: these are its first GPU checks)
+# nvfp4_ds_mla
 NVFP4_CASES = [
     nvfp4_case(1, 16, 2048, splits=1),
     nvfp4_case(5, 12, 2048, splits=3),
@@ -153,7 +146,7 @@ def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}-pf{int(c.l2_prefetch)}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
 def test_matches_reference(case: Case) -> None:
     fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)

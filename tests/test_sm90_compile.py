@@ -55,10 +55,9 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 @pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
 @pytest.mark.parametrize("overrides", [{}, {"qk_split": False}, {"kernel": "few"}, {"kernel": "few", "split_producer": False},
-                                       {"kernel": "few", "l2_prefetch": True},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
                                        {"kernel": "few", "heads": 32}],
-                         ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer", "few_heads_l2_prefetch",
+                         ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer",
                               "few_heads_nvfp4", "few_heads_32"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel's default (qk_split) and redundant-Q.K consumers; the few-heads kernel with two producer

@@ -75,10 +75,10 @@ DEFAULT_PRODUCER_REGS = 56
 # Triton versions whose Gluon API this file is written against: 3.6 (the H200's) and 3.8 both compile it offline
 # for sm_90a (benchmarks/gluon_report.py); others may have moved the API (warp_specialize's signature did in 3.6).
 SUPPORTED_TRITON = ("3.6", "3.8")
-# Versions on which the kernel has run its GPU tests (the H200 has 3.6). TritonDecode picks the kernel by itself
-# only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON version (3.8, vLLM 0.33's, compiles
-# it but has not run it on a GPU here).
-VERIFIED_TRITON = ("3.6",)
+# Versions on which the kernel has passed its GPU tests on the H200: 3.6 (its image's) and 3.8 (vLLM 0.33's, carried
+# there by benchmarks/device_triton38.sh; results/h200-2026-12-03/triton38). TritonDecode picks the kernel by itself
+# only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON version.
+VERIFIED_TRITON = ("3.6", "3.8")
 
 try:  # Gluon is experimental: absent from old Triton, its API moves between releases
     from triton.experimental import gluon
@@ -483,25 +483,11 @@ if gl is not None:
         async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
         mbarrier.arrive(k_ready.index(stage))
 
-    # L2 prefetch: a thread's 2 rows (as _ROW_LAYOUT's: the slots convert for free) x 2 of the 8 line offsets
-    # 0, 128, 256, 384, 512, 512, 512, 512: the <= 5 128-byte lines a 576-byte row touches
-    _PF_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
-
-    @gluon.jit
-    def _prefetch_l2(kv_ptr, slot, stride_kv):
-        """prefetch.global.L2 of the rows at `slot` (a tile's, in _ROW_LAYOUT); holes prefetch row 0."""
-        s = gl.convert_layout(slot, gl.SliceLayout(1, _PF_LAYOUT))
-        line = gl.minimum(gl.arange(0, 8, gl.SliceLayout(0, _PF_LAYOUT)), 4) * 128
-        addr = kv_ptr + gl.expand_dims(gl.where(s >= 0, s, 0).to(gl.int64) * stride_kv, 1) + gl.expand_dims(line, 0)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
     @gluon.jit
     def _gatherer(
         k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, L2_PREFETCH: gl.constexpr = False,
-        sc_s=None, NVFP4: gl.constexpr = False,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
     ):
         """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
         cp.async issued as soon as its K stage is free. The slots are loaded four tiles ahead (2 registers a tile):
@@ -512,10 +498,6 @@ if gl is not None:
         slot2 = _load_slots(s_base, start, end, 2, BLOCK_N)
         slot3 = _load_slots(s_base, start, end, 3, BLOCK_N)
         for it in range(num_tiles):
-            if L2_PREFETCH:
-                # tile it + 3's rows towards L2 before waiting for a free K stage: the gathers' latency then
-                # overlaps the wait for ring space (prepared after the last device run, NOT measured yet)
-                _prefetch_l2(kv_ptr, slot3, stride_kv)
             if NVFP4:  # k_lat_s holds the packed bytes, sc_s the scales
                 _gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv,
                                    K_STAGES)

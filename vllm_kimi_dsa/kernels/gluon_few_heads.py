@@ -1,6 +1,5 @@
-"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): <= 16 heads (K3.1's 12 / 16 a rank), FP8 cache
-(and, prepared but not yet run on a GPU: nvfp4_ds_mla, and 17..32 heads as 16-head blocks; see the end of this
-docstring).
+"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): <= 32 heads (K3.1's 12 / 16 a rank; 17..32 as
+16-head blocks), FP8 and nvfp4_ds_mla caches (see the end of this docstring).
 
 With few heads a row the decode is bound by the gathered bytes (576 a token), not by the tensor cores, so the
 design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
@@ -21,13 +20,13 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
   converting), each V16 half's v_empty 1.
 
 Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
-nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); written after the last device run, compiled for sm_90a on 3.6
-and 3.8, NOT yet run on a GPU, so TritonDecode picks it only with VLLM_KIMI_DSA_GLUON=1): the gatherer moves each
+nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
+`tl` kernel at 320 rows, H = 12, yet 1.3x slower than this kernel's fp8 path, NOTES v10): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
 of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
 fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
 
-17..32 heads (MULTI_HB; prepared, NOT yet run on a GPU): one CTA a 16-head block (a 32-head consumer would spill:
+17..32 heads (MULTI_HB; GPU-tested on 3.6 and 3.8): one CTA a 16-head block (a 32-head consumer would spill:
 128 accumulator registers), each gathering its rows again (from L2 when its sibling runs beside it). Not for more
 than 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
 Gluon.
@@ -47,7 +46,7 @@ from vllm_kimi_dsa.kernels import triton_decode as td
 BLOCK_N = 64  # tokens a tile: the wgmma M of S^T
 BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queries, masked at the store)
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
-# runs beside it); not yet run on a GPU: few_heads_verified(fmt, heads) says which shapes have been
+# runs beside it)
 MAX_HEADS = 2 * BLOCK_H
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
@@ -55,10 +54,11 @@ MAX_HEADS = 2 * BLOCK_H
 SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py), by (cache format, more than
 # one 16-head block): TritonDecode picks it by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any
-# gluon_decode.SUPPORTED_TRITON version). fp8 at <= 16 heads ran on the H200's 3.6; nvfp4_ds_mla and 17..32 heads
-# were written after the last device run.
+# gluon_decode.SUPPORTED_TRITON version). Every shape passed on the H200 with 3.6 and with 3.8 (results/h200-2026-12-03/
+# few-heads-v6, triton38).
 VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
-    ("fp8", False): ("3.6",), ("fp8", True): (), ("nvfp4_ds_mla", False): (), ("nvfp4_ds_mla", True): ()}
+    ("fp8", False): ("3.6", "3.8"), ("fp8", True): ("3.6", "3.8"), ("nvfp4_ds_mla", False): ("3.6", "3.8"),
+    ("nvfp4_ds_mla", True): ("3.6", "3.8")}
 
 if gd.gl is not None:
     gl = gd.gl
@@ -315,7 +315,7 @@ if gd.gl is not None:
                                  BH, K_STAGES, V_SLOTS, True)),
                 (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                _BN, K_STAGES, False, sc_s, True)),
+                                _BN, K_STAGES, sc_s, True)),
                 (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
             ],
@@ -337,7 +337,6 @@ if gd.gl is not None:
         CVT_ROWS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
-        L2_PREFETCH: gl.constexpr,  # the gatherer prefetches tile it + 3's rows to L2 (SPLIT_PRODUCER only)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
@@ -390,7 +389,7 @@ if gd.gl is not None:
                                      BH, K_STAGES, V_SLOTS)),
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, L2_PREFETCH)),
+                                    _BN, K_STAGES)),
                     (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
                                      _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
                 ],
@@ -432,23 +431,18 @@ class FewHeadsParams:
     # wait behind a conversion (few-heads-v3: 165.8 vs 168.4 µs at 320 rows, H=16); False: gluon_decode._producer
     # (one warpgroup, 8 warps), and producer_regs applies
     split_producer: bool = True
-    # the gatherer prefetches tile it + 3's rows into L2 before it waits for a free K stage (split_producer only).
-    # Prepared after the last device run (NOTES v8, next step 1): compiled for sm_90a, NOT yet run on a GPU
-    l2_prefetch: bool = False
     # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
-    # tiles: v_slots >= 4). Prepared after the last device run, compiled for sm_90a, NOT yet run on a GPU
+    # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
     nvfp4: bool = False
 
     def __post_init__(self) -> None:
-        if self.nvfp4 and (not self.split_producer or self.l2_prefetch or self.v_slots < 4):
-            raise ValueError("nvfp4 needs split_producer, no l2_prefetch and v_slots >= 4 (Q.K holds a tile's V16 "
+        if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
+            raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
                              "halves while P.V holds the previous tile's)")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in [56, 256], got {self.producer_regs}")
-        if self.l2_prefetch and not self.split_producer:
-            raise ValueError("l2_prefetch needs split_producer (the gatherer warpgroup issues it)")
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
@@ -480,7 +474,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                L2_PREFETCH=params.l2_prefetch, NVFP4=params.nvfp4)
+                NVFP4=params.nvfp4)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:

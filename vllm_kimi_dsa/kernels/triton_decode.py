@@ -639,9 +639,9 @@ class TritonDecode:
         # kernel on the H200) on the Triton versions it was verified on; VLLM_KIMI_DSA_GLUON=1 asks for it on any
         # version it compiles with, =0 never. Everywhere else (the interpreter, other GPUs, other Triton versions)
         # this file's kernel, which computes the same thing.
-        # <= 32 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring; 16-head blocks) under
-        # the same rules, with its own verified versions per format and head count (fp8 at <= 16 heads so far).
-        # Elsewhere (nvfp4 at > 32 heads, unverified shapes) this file's kernel.
+        # <= 32 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring; 16-head blocks), fp8 or
+        # nvfp4_ds_mla, under the same rules, with its own verified versions per format and head count.
+        # Elsewhere (nvfp4 at > 32 heads, unverified versions) this file's kernel.
         self.gluon: Any = None
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
         few = setup.heads <= 32
