@@ -6,6 +6,7 @@ GPU only (a CPU cannot capture); K3.1 shapes (H=128, K=2048), both cache formats
 
 from __future__ import annotations
 
+import gc
 import pytest
 import torch
 
@@ -69,6 +70,25 @@ def _forward_all(cores: KimiDSACores, inputs: _Inputs, results: list[torch.Tenso
         lses[i].copy_(lse)
 
 
+def _replay_all(graph, cores, inputs, results, lses, eager, eager_lse, mismatches) -> int:
+    """REPLAYS replays on rotating variants; returns the allocations (and memory_allocated changes) they made and
+    appends (replay, variant, layer) to `mismatches` where a replay differs from eager."""
+    allocated = 0
+    for n in range(REPLAYS):
+        v = (n * 3 + 1) % VARIANTS  # not the captured variant first, and no fixed pairing with n
+        for r in results:
+            r.fill_(float("nan"))  # an unwritten result shows
+        cores.buffers.latent.fill_(float("nan"))
+        before, mem = _allocations(), torch.cuda.memory_allocated()
+        inputs.load(v)
+        graph.replay()
+        allocated += _allocations() - before + (torch.cuda.memory_allocated() != mem)
+        for i in range(LAYERS):
+            if not (torch.equal(results[i], eager[v][i]) and torch.equal(lses[i], eager_lse[v][i])):
+                mismatches.append((n, v, i))
+    return allocated
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4_ds_mla"])
 def test_graph_replays_equal_eager_without_allocation(fmt):
     dev = torch.device("cuda")
@@ -110,20 +130,17 @@ def test_graph_replays_equal_eager_without_allocation(fmt):
             _forward_all(cores, inputs, results, lses)
         torch.cuda.synchronize()
 
-        allocated_during_replay = 0
-        mismatches = []
-        for n in range(REPLAYS):
-            v = (n * 3 + 1) % VARIANTS  # not the captured variant first, and no fixed pairing with n
-            for r in results:
-                r.fill_(float("nan"))  # an unwritten result shows
-            cores.buffers.latent.fill_(float("nan"))
-            before, mem = _allocations(), torch.cuda.memory_allocated()
-            inputs.load(v)
-            graph.replay()
-            allocated_during_replay += _allocations() - before + (torch.cuda.memory_allocated() != mem)
-            for i in range(LAYERS):
-                if not (torch.equal(results[i], eager[v][i]) and torch.equal(lses[i], eager_lse[v][i])):
-                    mismatches.append((n, v, i))
+        # Python's cycle collector, run at a random point of the loop, can free a CUDA tensor of an earlier test and
+        # move memory_allocated: collect first and keep it off while measuring, so only this core's own
+        # allocations count (an H200 run of 2026-12-03 counted 1 event in the 1000 replays at rows = 1 once; that cause is
+        # presumed, not proven: the same test passed on every other run).
+        mismatches: list[tuple[int, int, int]] = []
+        gc.collect()
+        gc.disable()
+        try:
+            allocated_during_replay = _replay_all(graph, cores, inputs, results, lses, eager, eager_lse, mismatches)
+        finally:
+            gc.enable()
         torch.cuda.synchronize()
         assert allocated_during_replay == 0, f"rows={rows}: replays allocated"
         assert not mismatches, f"rows={rows}: replay != eager at (replay, variant, layer) {mismatches[:5]}"
