@@ -38,7 +38,11 @@ from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 # Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
                              "few-joined": {"split_producer": False},
-                             "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True}}
+                             "few-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True},
+                             # the nvfp4 ring / conversion-step shapes its GPU tests also cover
+                             "few-cvt16-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 16},
+                             "few-cvt8-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 8},
+                             "few-k2v5-nvfp4": {"k_stages": 2, "v_slots": 5, "nvfp4": True}}
 NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
 
 
