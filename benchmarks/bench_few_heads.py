@@ -25,13 +25,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated  # noqa: E402
+from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, kernel_params, tail_split_call, time_rotated  # noqa: E402
 from bench_suite import ceilings  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_few_heads import launch as few_heads_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
@@ -42,7 +43,10 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              # the nvfp4 ring / conversion-step shapes its GPU tests also cover
                              "few-cvt16-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 16},
                              "few-cvt8-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 8},
-                             "few-k2v5-nvfp4": {"k_stages": 2, "v_slots": 5, "nvfp4": True}}
+                             "few-k2v5-nvfp4": {"k_stages": 2, "v_slots": 5, "nvfp4": True},
+                             # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
+                             "few-tail": {"tail_split": True},
+                             "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True}}
 NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
 
 
@@ -53,7 +57,11 @@ def _fmt(name: str) -> str:
 def _config(name: str, heads: int) -> td.Config:
     if name.startswith("triton"):
         return td.default_config(heads, _fmt(name))
-    return FewHeadsParams(**VARIANTS[name]).config()
+    return _params(name).config()
+
+
+def _params(name: str) -> FewHeadsParams:
+    return FewHeadsParams(**kernel_params(VARIANTS[name])[0])
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
@@ -61,7 +69,10 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         fmt, cfg = _fmt(name), _config(name, q.shape[1])
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    params = FewHeadsParams(**VARIANTS[name])
+    params = _params(name)
+    if kernel_params(VARIANTS[name])[1]:
+        return tail_split_call(lambda *a: few_heads_launch(*a, params), params.config(), q, kv, slots, counts, out,
+                               lse, ws)
     return lambda: few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                                lse=lse, workspace=ws, splits=splits, params=params)
 

@@ -34,6 +34,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
     gluon_sparse_mla_decode,
     gluon_unavailable_reason,
 )
+from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
@@ -42,11 +43,29 @@ HEADS = 128
 CACHE_ROWS = 1 << 20
 SSCALE = 1.0 / math.sqrt(192.0) * 0.25 * 0.125
 OSCALE = 0.125
-# name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default
-GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-v2": {"v_slots": 2},
+# name -> GluonParams overrides (the default, then one field changed at a time); "triton" is triton_decode's default.
+# "tail_split" is not a kernel parameter: the batch runs choose_plan's tail-split plan (whole waves unsplit, the rest
+# split) through the same kernel.
+GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-tail": {"tail_split": True}, "gluon-v2": {"v_slots": 2},
                                    "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
                                    "gluon-no-qk-split": {"qk_split": False},
                                    "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True}}
+
+
+def kernel_params(overrides: dict) -> tuple[dict, bool]:
+    """(the kernel-parameter overrides, whether the variant runs the tail-split plan)."""
+    return {k: v for k, v in overrides.items() if k != "tail_split"}, bool(overrides.get("tail_split"))
+
+
+def tail_split_call(launch, cfg: td.Config, q, kv, slots, counts, out, lse, ws):
+    """A call running choose_plan's tail-split plan for this batch through `launch` (a kernel module's launch with
+    its params bound: launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, ws, splits))."""
+    cfg = dataclasses.replace(cfg, tail_split=True)
+    rows, heads, width = q.shape[0], q.shape[1], slots.shape[1]
+    plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(q.device))
+    if ws is None or (plan[1] > 1 and (rows - plan[0]) * plan[1] * heads > ws.capacity):
+        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg)
+    return lambda: td.run_plan(launch, plan, q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws)
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
@@ -54,7 +73,10 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
-    params = GluonParams(**GLUON_VARIANTS[name])
+    overrides, tail = kernel_params(GLUON_VARIANTS[name])
+    params = GluonParams(**overrides)
+    if tail:
+        return tail_split_call(lambda *a: gluon_launch(*a, params), params.config(), q, kv, slots, counts, out, lse, ws)
     return lambda: gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE, out=out,
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
@@ -84,13 +106,15 @@ def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
 
 
 def _config(name: str) -> td.Config:
-    return td.default_config(HEADS, "fp8") if name == "triton" else gluon_config(GluonParams(**GLUON_VARIANTS[name]).block_n)
+    if name == "triton":
+        return td.default_config(HEADS, "fp8")
+    return gluon_config(GluonParams(**kernel_params(GLUON_VARIANTS[name])[0]).block_n)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--rows", default="5,20,80,320")
+    p.add_argument("--rows", default="5,20,80,160,320")
     p.add_argument("--splits", default="",
                    help="also probe the default Gluon kernel at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")

@@ -6,6 +6,7 @@ CPU only, about 10 s (most of it matplotlib and one 3-row K=2048 reference); not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -194,16 +195,40 @@ def test_gluon_bench_variants_are_valid_params() -> None:
     import bench_gluon as bg
 
     from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
-    from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams
 
     for overrides in bg.GLUON_VARIANTS.values():
-        GluonParams(**overrides)
-    for name, overrides in bfh.VARIANTS.items():
-        params = FewHeadsParams(**overrides)
+        GluonParams(**bg.kernel_params(overrides)[0])
+    for name in bfh.VARIANTS:
+        params = bfh._params(name)
         assert params.nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
     for name in bfh.NAMES:
         for heads in (12, 16, 32):
             assert bfh._config(name, heads).block_n in (32, 64)
+
+
+def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
+    """bench_gluon.tail_split_call (the "-tail" variants): choose_plan's plan for the batch, as launches on row slices
+    that cover every row once (a recording launch on CPU tensors; the interpreter's 4 'SMs')."""
+    import bench_gluon as bg
+
+    from vllm_kimi_dsa.kernels import triton_decode as td
+
+    cfg = td.Config(block_h=16, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=2.0)
+    rows, heads, width = 5, 16, 2048  # 4 whole rows (one wave), then one row split 4 ways
+    plan = td.choose_plan(rows, heads, width, dataclasses.replace(cfg, tail_split=True), td.num_sms(torch.device("cpu")))
+    assert plan == (4, 4), plan
+    q = torch.zeros(rows, heads, 576)
+    slots = torch.zeros(rows, width, dtype=torch.int32)
+    counts = torch.arange(rows, dtype=torch.int32)
+    out, lse = torch.zeros(rows, heads, 512), torch.zeros(rows, heads)
+    seen = []
+
+    def launch(query, kv_rows, slots_, counts_, out_, lse_, softmax_scale, output_scale, ws, splits):
+        assert out_.data_ptr() == out[counts_[0]].data_ptr() and lse_.shape[0] == query.shape[0] == slots_.shape[0]
+        seen.append((counts_.tolist(), splits))
+
+    bg.tail_split_call(launch, cfg, q, None, slots, counts, out, lse, None)()
+    assert seen == [(list(range(plan[0])), 1), (list(range(plan[0], rows)), plan[1])]
 
 
 def test_gather_floor_kernel_xors_the_gathered_rows() -> None:

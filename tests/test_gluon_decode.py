@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
-from vllm_kimi_dsa.kernels import triton_decode
+from vllm_kimi_dsa.kernels import gluon_decode, triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import (
     GluonParams,
     gluon_available,
@@ -220,6 +220,27 @@ def replay_on_new_inputs(call, inputs, new_inputs, out, lse) -> None:
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+
+
+@GPU
+@pytest.mark.parametrize("rows", [80, 160])
+def test_tail_split_plan(rows: int) -> None:
+    """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
+    as two launches on row slices (80 rows on 132 SMs: 66 whole, 14 split 4 ways); count-0 rows at the seam."""
+    heads, width = 128, 2048
+    cfg = dataclasses.replace(gluon_config(), tail_split=True)
+    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
+    whole, splits = plan
+    assert 0 < whole < rows and splits > 1, plan
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31 + rows)
+    counts[whole - 1] = 0
+    counts[whole] = 0
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
+    out, lse = _poisoned(rows, heads)
+    triton_decode.run_plan(lambda *a: gluon_decode.launch(*a, GluonParams()), plan, q, kv, slots, counts, out, lse,
+                           ss, os_, ws)
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
 @GPU

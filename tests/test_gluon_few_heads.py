@@ -208,6 +208,32 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
 
 
 @GPU
+@pytest.mark.parametrize("fmt,heads,rows", [("fp8", 16, 160), ("fp8", 32, 80), ("nvfp4_ds_mla", 12, 320)])
+def test_tail_split_plan(fmt: str, heads: int, rows: int) -> None:
+    """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
+    as two launches on row slices; count-0 rows at the seam."""
+    import dataclasses
+
+    from vllm_kimi_dsa.kernels import gluon_few_heads
+
+    width = 2048
+    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
+    cfg = dataclasses.replace(few_heads_config(), tail_split=True)
+    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
+    whole, splits = plan
+    assert 0 < whole < rows and splits > 1, plan
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=7 + rows, fmt=fmt)
+    counts[whole - 1] = 0
+    counts[whole] = 0
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
+    out, lse = _poisoned(rows, heads)
+    triton_decode.run_plan(lambda *a: gluon_few_heads.launch(*a, params), plan, q, kv, slots, counts, out, lse,
+                           ss, os_, ws)
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
+
+
+@GPU
 def test_rejects_many_heads() -> None:
     q, kv, slots, counts, ss, os_ = _case(3, 33, 128, seed=5)
     out, lse = _poisoned(3, 33)

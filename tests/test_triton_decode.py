@@ -18,6 +18,7 @@ from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.triton_decode import (
     Config,
     TritonDecode,
+    choose_plan,
     choose_splits,
     default_config,
     make_workspace,
@@ -188,6 +189,61 @@ def test_split_heuristic_fills_the_chip():
     assert 5 * 2 * s5 >= 100, s5  # 5 rows x 2 head tiles x splits must come near 132 SMs
     ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=default_config(16, "fp8"))
     assert ws.capacity >= max(r * choose_splits(r, 16, 2048, default_config(16, "fp8"), 4) * 16 for r in range(1, 65))
+
+
+def _gluon_like(tail_split: bool) -> Config:
+    """The split heuristic's view of the 64-head Gluon kernel (gluon_decode.gluon_config), without importing Gluon."""
+    return Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8,
+                  tail_split=tail_split)
+
+
+def test_choose_plan_without_tail_split_is_choose_splits():
+    for cfg in (default_config(128, "fp8"), default_config(12, "fp8"), default_config(16, "nvfp4_ds_mla"),
+                _gluon_like(False)):
+        for rows in (1, 5, 20, 67, 80, 160, 320):
+            for heads in (12, 16, 32, 128):
+                assert choose_plan(rows, heads, 2048, cfg, 132) == (0, choose_splits(rows, heads, 2048, cfg, 132))
+
+
+def test_tail_split_plans():
+    """Whole rows fill full waves unsplit; only the rest is split (the model's picks for 64-head tiles on 132 SMs)."""
+    cfg = _gluon_like(True)
+    assert choose_plan(80, 128, 2048, cfg, 132) == (66, 4)  # 1 wave of 132 CTAs, then 28 CTA pairs x 4 splits
+    assert choose_plan(160, 128, 2048, cfg, 132) == (132, 2)
+    assert choose_plan(320, 128, 2048, cfg, 132) == (0, 1)  # 4.85 waves unsplit: nothing to gain
+    assert choose_plan(20, 128, 2048, cfg, 132) == (0, 3)  # less than a wave: as choose_splits
+    for rows in range(1, 400):
+        whole, splits = choose_plan(rows, 128, 2048, cfg, 132)
+        assert 0 <= whole < rows and splits >= 1
+        assert whole * 2 % 132 == 0  # whole rows fill whole waves
+        if whole:  # never worse than splitting every row alike, by the model it was chosen with
+            assert splits >= 1 and choose_splits(rows - whole, 128, 2048, cfg, 132) == splits
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
+    """TritonDecode with tail_split configs: a batch past a full wave runs as two launches on row slices (the whole
+    rows unsplit, the rest split and combined); every row matches the reference, the workspace holds the plan."""
+    base = default_config(16, fmt)
+    monkeypatch.setattr(triton_decode, "default_config",
+                        lambda heads, f: Config(**{**base.__dict__, "tail_split": True}))
+    slots_per_wave = triton_decode.num_sms(DEVICE) * base.ctas_per_sm
+    rows, width = slots_per_wave + 3, 256
+    setup = DecodeSetup(
+        device=DEVICE, fmt=fmt, heads=16, row_counts=(rows,), capacities=(), widths=(width,),
+        return_lse=True, softmax_scale=0.04, output_scale=0.37,
+    )
+    k = TritonDecode(setup)
+    whole, splits = k._plans[(rows, width)]
+    assert whole == slots_per_wave and splits > 1, (whole, splits)
+    assert k.workspace.capacity >= (rows - whole) * splits * 16
+    q, kv, slots, counts, _, _ = _case(rows, 16, width, fmt, seed=41)
+    counts[whole - 1] = 0  # a count-0 row on each side of the seam
+    counts[whole] = 0
+    out = torch.full((rows, 16, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((rows, 16), float("nan"), device=DEVICE)
+    k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+    _check(out, lse, q, kv, slots, counts, fmt, 0.04, 0.37, wgmma=fp8_wgmma_dims(k, fmt) or False)
 
 
 def test_kernel_class_protocol():

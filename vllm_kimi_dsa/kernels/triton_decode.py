@@ -41,6 +41,9 @@ class Config:
     swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
     ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
     split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's fp32 partial costs (its write + the combine's read)
+    # plan a batch as whole rows filling full waves unsplit, then the rest split to fill one more (choose_plan);
+    # False: every row split alike (choose_splits)
+    tail_split: bool = False
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
@@ -67,22 +70,70 @@ def num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a few splits so the combine path is exercised on a CPU too
 
 
+_OVERHEAD = 1.5  # tiles' worth a CTA costs beyond its tiles: Q load, epilogue, the combine's extra pass
+_LAUNCH_GAP = 1.0  # tiles' worth a second launch costs: its start and the first launch's tail
+
+
+def _split_cost(rows: int, head_blocks: int, tiles: int, splits: int, cfg: Config, slots_per_wave: int) -> tuple[float, int]:
+    """(cost in tiles' worth, splits that get work) of one launch over `rows` rows, each split `splits` ways."""
+    per = triton.cdiv(tiles, splits)
+    used = triton.cdiv(tiles, per)  # splits that get work
+    waves = triton.cdiv(rows * head_blocks * used, slots_per_wave)
+    split = used > 1  # a split CTA also writes a partial the combine reads back
+    return waves * (per + _OVERHEAD + split * cfg.split_tiles) + split * 0.5, used
+
+
+def _best_splits(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per_wave: int) -> tuple[int, float]:
+    best, best_cost = 1, float("inf")
+    for splits in range(1, min(tiles, 64) + 1):
+        cost, used = _split_cost(rows, head_blocks, tiles, splits, cfg, slots_per_wave)
+        if cost < best_cost - 1e-9:
+            best, best_cost = used, cost
+    return best, best_cost
+
+
 def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> int:
     """KV splits per row: minimize (waves x tiles a split + fixed cost) over the chip's slots."""
+    tiles = max(1, triton.cdiv(width, cfg.block_n))
+    return _best_splits(rows, triton.cdiv(heads, cfg.block_h), tiles, cfg, sms * cfg.ctas_per_sm)[0]
+
+
+def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[int, int]:
+    """(whole_rows, splits): the first whole_rows rows run unsplit in one launch, the others split `splits` ways in
+    a second (whole_rows 0: one launch, as choose_splits). With cfg.tail_split, whole_rows may fill k full waves
+    of the chip, so that only the last partial wave's rows pay for split partials and the combine: at 80 rows of
+    64-head tiles on 132 SMs, 66 whole rows then 14 rows split 4 ways (40 tiles on the critical path, partials for
+    28 CTA pairs) instead of every row split twice (48 tiles, partials for all 160)."""
     head_blocks = triton.cdiv(heads, cfg.block_h)
     tiles = max(1, triton.cdiv(width, cfg.block_n))
     slots_per_wave = sms * cfg.ctas_per_sm
-    best, best_cost = 1, float("inf")
-    overhead = 1.5  # tiles' worth: Q load, epilogue, and the combine's extra pass
-    for splits in range(1, min(tiles, 64) + 1):
-        per = triton.cdiv(tiles, splits)
-        used = triton.cdiv(tiles, per)  # splits that get work
-        waves = triton.cdiv(rows * head_blocks * used, slots_per_wave)
-        split = used > 1  # a split CTA also writes a partial the combine reads back
-        cost = waves * (per + overhead + split * cfg.split_tiles) + split * 0.5
+    splits, best_cost = _best_splits(rows, head_blocks, tiles, cfg, slots_per_wave)
+    best = (0, splits)
+    if not cfg.tail_split:
+        return best
+    for waves in range(1, rows * head_blocks // slots_per_wave + 1):
+        whole = waves * slots_per_wave // head_blocks  # rows whose head blocks fill `waves` waves, unsplit
+        if not 0 < whole < rows:
+            continue
+        whole_cost, _ = _split_cost(whole, head_blocks, tiles, 1, cfg, slots_per_wave)
+        tail_splits, tail_cost = _best_splits(rows - whole, head_blocks, tiles, cfg, slots_per_wave)
+        cost = whole_cost + tail_cost + _LAUNCH_GAP
         if cost < best_cost - 1e-9:
-            best, best_cost = used, cost
+            best, best_cost = (whole, tail_splits), cost
     return best
+
+
+def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, out, lse, *args: Any) -> None:
+    """launch(query, kv_rows, slots, counts, out, lse, *args, splits) over a choose_plan plan: the whole rows unsplit,
+    then the rest (row slices: views, nothing allocated)."""
+    whole, splits = plan
+    rows = query.shape[0]
+    if whole:
+        launch(query[:whole], kv_rows, slots[:whole], counts[:whole], out[:whole],
+               None if lse is None else lse[:whole], *args, 1)
+    if whole < rows:
+        launch(query[whole:], kv_rows, slots[whole:], counts[whole:], out[whole:],
+               None if lse is None else lse[whole:], *args, splits)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -498,9 +549,9 @@ def make_workspace(
     need = 1
     for w in widths:
         for r in range(1, max_rows + 1):
-            s = choose_splits(r, heads, w, cfg, sms)
+            whole, s = choose_plan(r, heads, w, cfg, sms)
             if s > 1:
-                need = max(need, r * s * heads)
+                need = max(need, (r - whole) * s * heads)
     return Workspace(
         part_out=torch.empty(need * LATENT_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
@@ -664,8 +715,8 @@ class TritonDecode:
         self.workspace = make_workspace(
             setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths, fmt=self.fmt, config=self.config
         )
-        self._splits = {
-            (r, w): choose_splits(r, setup.heads, w, self.config, sms)
+        self._plans = {
+            (r, w): choose_plan(r, setup.heads, w, self.config, sms)
             for r in range(1, setup.max_rows + 1)
             for w in setup.widths
         }
@@ -687,13 +738,13 @@ class TritonDecode:
         if heads != self.setup.heads:
             raise ValueError(f"query has {heads} heads, the kernel was set up for {self.setup.heads}")
         key = (rows, slots.shape[1])
-        if key not in self._splits:
+        if key not in self._plans:
             raise ValueError(
                 f"rows={rows}, width={slots.shape[1]} not planned (max_rows {self.setup.max_rows}, widths {self.setup.widths})"
             )
         if rows == 0:
             return
-        self._launch(query, kv_rows, slots, counts, out, lse, self._splits[key])
+        run_plan(self._launch, self._plans[key], query, kv_rows, slots, counts, out, lse)
 
     def _launch_tl(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
         _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
@@ -704,4 +755,5 @@ class TritonDecode:
                            self.setup.output_scale, self.workspace, splits, self.gluon)
 
 
-__all__ = ["Config", "TritonDecode", "Workspace", "choose_splits", "default_config", "make_workspace", "sparse_mla_decode"]
+__all__ = ["Config", "TritonDecode", "Workspace", "choose_plan", "choose_splits", "default_config", "make_workspace",
+           "run_plan", "sparse_mla_decode"]
