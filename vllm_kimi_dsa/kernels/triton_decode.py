@@ -127,11 +127,12 @@ def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, 
     """launch(query, kv_rows, slots, counts, out, lse, *args, splits) over a choose_plan plan: the whole rows unsplit,
     then the rest (row slices: views, nothing allocated)."""
     whole, splits = plan
-    rows = query.shape[0]
-    if whole:
-        launch(query[:whole], kv_rows, slots[:whole], counts[:whole], out[:whole],
-               None if lse is None else lse[:whole], *args, 1)
-    if whole < rows:
+    if not whole:  # one launch over the batch (no slicing: the common plan, kept cheap on the host)
+        launch(query, kv_rows, slots, counts, out, lse, *args, splits)
+        return
+    launch(query[:whole], kv_rows, slots[:whole], counts[:whole], out[:whole],
+           None if lse is None else lse[:whole], *args, 1)
+    if whole < query.shape[0]:  # choose_plan keeps whole < rows; a caller's plan may not
         launch(query[whole:], kv_rows, slots[whole:], counts[whole:], out[whole:],
                None if lse is None else lse[whole:], *args, splits)
 
