@@ -14,7 +14,9 @@ fi
 timeout ${TEST_S:-120} python3 -m pytest tests/test_gluon_decode.py -x -q -p no:cacheprovider -rs \
   --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -25 "$OUT/tests.log"
-timeout ${BENCH_S:-120} python3 -u benchmarks/bench_gluon.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
+# ONLY: the variants to time (bench_gluon.GLUON_VARIANTS; "all" for every one)
+O=${ONLY:-triton,gluon,gluon-tail}; [ "$O" = all ] && O=""
+timeout ${BENCH_S:-180} python3 -u benchmarks/bench_gluon.py --out "$OUT" ${O:+--only $O} 2>&1 | tee "$OUT/bench.log" | grep -v Warning
 echo "bench rc=${PIPESTATUS[0]}"
 # split-count probe of the default kernel when PROBE is given, e.g. PROBE='23:2,8;45:1,4' (measured in gluon-v8:
 # both picks were the faster)
