@@ -123,6 +123,11 @@ def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tup
     return best
 
 
+def plan_table(max_rows: int, heads: int, widths, cfg: Config, sms: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """choose_plan for every (rows, width) with 1 <= rows <= max_rows: what a kernel object plans at construction."""
+    return {(r, w): choose_plan(r, heads, w, cfg, sms) for r in range(1, max_rows + 1) for w in widths}
+
+
 def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, out, lse, *args: Any) -> None:
     """launch(query, kv_rows, slots, counts, out, lse, *args, splits) over a choose_plan plan: the whole rows unsplit,
     then the rest (row slices: views, nothing allocated)."""
@@ -538,21 +543,22 @@ def make_workspace(
     widths: tuple[int, ...] | list[int] = (2048,),
     fmt: CacheFormat = "fp8",
     config: Config | None = None,
+    plans: dict[tuple[int, int], tuple[int, int]] | None = None,
 ) -> Workspace:
-    """Scratch for every call with rows <= max_rows, these heads and any of `widths`."""
+    """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
+    them when the caller has it already (else made here)."""
     device = torch.device(device)
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    cfg = config or default_config(heads, normalize_format(fmt))
-    sms = num_sms(device)
+    if plans is None:
+        cfg = config or default_config(heads, normalize_format(fmt))
+        plans = plan_table(max_rows, heads, widths, cfg, num_sms(device))
     need = 1
-    for w in widths:
-        for r in range(1, max_rows + 1):
-            whole, s = choose_plan(r, heads, w, cfg, sms)
-            if s > 1:
-                need = max(need, (r - whole) * s * heads)
+    for (r, _), (whole, s) in plans.items():
+        if s > 1:
+            need = max(need, (r - whole) * s * heads)
     return Workspace(
         part_out=torch.empty(need * LATENT_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
@@ -712,15 +718,10 @@ class TritonDecode:
                 self._gluon_launch = launch
         # the implementation is bound here, once: the call path does not branch on it
         self._launch = self._launch_tl if self.gluon is None else self._launch_gluon
-        sms = num_sms(torch.device(setup.device))
-        self.workspace = make_workspace(
-            setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths, fmt=self.fmt, config=self.config
-        )
-        self._plans = {
-            (r, w): choose_plan(r, setup.heads, w, self.config, sms)
-            for r in range(1, setup.max_rows + 1)
-            for w in setup.widths
-        }
+        self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config,
+                                 num_sms(torch.device(setup.device)))
+        self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
+                                        fmt=self.fmt, config=self.config, plans=self._plans)
 
     def __call__(
         self,
