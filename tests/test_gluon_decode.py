@@ -222,25 +222,31 @@ def replay_on_new_inputs(call, inputs, new_inputs, out, lse) -> None:
     torch.cuda.synchronize()
 
 
+def run_tail_split_plan(launch, cfg: triton_decode.Config, rows: int, heads: int, seed: int, fmt: str = "fp8"):
+    """Inputs of `rows` rows (count-0 rows on both sides of the seam) through choose_plan's tail-split plan for cfg,
+    by `launch` (a kernel module's launch with its params bound); returns (out, lse, q, kv, slots, counts, ss, os_)."""
+    width = 2048
+    cfg = dataclasses.replace(cfg, tail_split=True)
+    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
+    whole, splits = plan
+    assert 0 < whole < rows and splits > 1, plan
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=seed, fmt=fmt)
+    counts[whole - 1] = 0
+    counts[whole] = 0
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
+    out, lse = _poisoned(rows, heads)
+    triton_decode.run_plan(launch, plan, q, kv, slots, counts, out, lse, ss, os_, ws)
+    torch.cuda.synchronize()
+    return out, lse, q, kv, slots, counts, ss, os_
+
+
 @GPU
 @pytest.mark.parametrize("rows", [80, 160])
 def test_tail_split_plan(rows: int) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices (80 rows on 132 SMs: 66 whole, 14 split 4 ways); count-0 rows at the seam."""
-    heads, width = 128, 2048
-    cfg = dataclasses.replace(gluon_config(), tail_split=True)
-    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
-    whole, splits = plan
-    assert 0 < whole < rows and splits > 1, plan
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31 + rows)
-    counts[whole - 1] = 0
-    counts[whole] = 0
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8", config=cfg)
-    out, lse = _poisoned(rows, heads)
-    triton_decode.run_plan(lambda *a: gluon_decode.launch(*a, GluonParams()), plan, q, kv, slots, counts, out, lse,
-                           ss, os_, ws)
-    torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_)
+    _check(*run_tail_split_plan(lambda *a: gluon_decode.launch(*a, GluonParams()), gluon_config(), rows, 128,
+                                seed=31 + rows))
 
 
 @GPU

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROPE_DIMS
-from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs
+from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason
@@ -212,25 +212,11 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
 def test_tail_split_plan(fmt: str, heads: int, rows: int) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices; count-0 rows at the seam."""
-    import dataclasses
-
     from vllm_kimi_dsa.kernels import gluon_few_heads
 
-    width = 2048
     params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
-    cfg = dataclasses.replace(few_heads_config(), tail_split=True)
-    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
-    whole, splits = plan
-    assert 0 < whole < rows and splits > 1, plan
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=7 + rows, fmt=fmt)
-    counts[whole - 1] = 0
-    counts[whole] = 0
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
-    out, lse = _poisoned(rows, heads)
-    triton_decode.run_plan(lambda *a: gluon_few_heads.launch(*a, params), plan, q, kv, slots, counts, out, lse,
-                           ss, os_, ws)
-    torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
+    _check(*run_tail_split_plan(lambda *a: gluon_few_heads.launch(*a, params), few_heads_config(), rows, heads,
+                                seed=7 + rows, fmt=fmt), fmt=fmt)
 
 
 @GPU
