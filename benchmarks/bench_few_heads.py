@@ -47,7 +47,8 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
                              "few-tail": {"tail_split": True},
                              "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True}}
-NAMES = ["triton", *VARIANTS, "triton-nvfp4"]
+# "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
+NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
 
 
 def _fmt(name: str) -> str:
@@ -67,6 +68,10 @@ def _params(name: str) -> FewHeadsParams:
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
     if name.startswith("triton"):
         fmt, cfg = _fmt(name), _config(name, q.shape[1])
+        if name.startswith("triton-tail"):
+            def tl_launch(q_, kv_, s_, c_, o_, l_, sscale, oscale, ws_, sp):
+                return td._launch(q_, kv_, s_, c_, o_, l_, fmt, sscale, oscale, ws_, cfg, sp)
+            return tail_split_call(tl_launch, cfg, q, kv, slots, counts, out, lse, ws)
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     params = _params(name)

@@ -231,6 +231,40 @@ def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
     assert seen == [(list(range(plan[0])), 1), (list(range(plan[0], rows)), plan[1])]
 
 
+@pytest.mark.parametrize("name", ["triton-tail", "triton-tail-nvfp4"])
+def test_tl_tail_variant_matches_the_reference(name: str) -> None:
+    """bench_few_heads' "triton-tail*" runners (the `tl` kernel through the tail-split plan) compute the decode: in
+    the interpreter, 10 rows of 16 heads at width 256 (8 whole rows, then 2 split 4 ways on the interpreter's 4
+    'SMs' x 2 CTAs),
+    holes and a count-0 row, outputs poisoned; bound as test_triton_decode's fp8-wgmma-free path (bf16 output)."""
+    import bench_few_heads as bfh
+
+    from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    import dataclasses as dc
+
+    from vllm_kimi_dsa.kernels import triton_decode as td
+
+    fmt, rows, heads, width = bfh._fmt(name), 10, 16, 256
+    cfg = dc.replace(bfh._config(name, heads), tail_split=True)
+    assert td.choose_plan(rows, heads, width, cfg, td.num_sms(torch.device("cpu"))) == (8, 4)
+    kv = quantize_rows(torch.randn(300, 576, generator=g) * 8, fmt)
+    q = (torch.randn(rows, heads, 576, generator=g) * 4).to(torch.float8_e4m3fn)
+    slots = torch.randint(0, 300, (rows, width), generator=g, dtype=torch.int32)
+    slots[torch.rand(rows, width, generator=g) < 0.1] = -1
+    counts = torch.tensor([width, 0, 100, width - 1, 37, 1, width, 200, 0, 129], dtype=torch.int32)  # 0s at the seam
+    out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((rows, heads), float("nan"))
+    bfh._runner(name, q, kv, slots, counts, out, lse, None, 1)()
+    ref, ref_lse = reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=bfh.SSCALE, output_scale=bfh.OSCALE)
+    assert torch.isfinite(out).all() and (out[[1, 8]] == 0).all() and torch.isneginf(lse[[1, 8]]).all()
+    # bf16 output: 2**-8 relative a value; the norm of the error over the norm of the output well inside 1e-2
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and float((lse[fin] - ref_lse[fin]).abs().max()) < 1e-3
+
+
 def test_gather_floor_kernel_xors_the_gathered_rows() -> None:
     """bench_gather_floor's kernel, in the interpreter: one word a program, the xor of its 16 rows."""
     import functools
