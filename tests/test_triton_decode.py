@@ -223,7 +223,9 @@ def test_tail_split_plans():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
     """TritonDecode with tail_split configs: a batch past a full wave runs as two launches on row slices (the whole
-    rows unsplit, the rest split and combined); every row matches the reference, the workspace holds the plan."""
+    rows unsplit, the rest split and combined); every row matches the reference, the workspace holds the plan.
+    This file's kernel on a GPU too (VLLM_KIMI_DSA_GLUON=0): the Gluon kernels' plans are test_gluon_*'s."""
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     base = default_config(16, fmt)
     monkeypatch.setattr(triton_decode, "default_config",
                         lambda heads, f: Config(**{**base.__dict__, "tail_split": True}))
