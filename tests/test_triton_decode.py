@@ -5,6 +5,8 @@ CPU (TRITON_INTERPRET=1): a few tiny cases; GPU: every head count, both formats,
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -200,6 +202,7 @@ def _gluon_like(tail_split: bool) -> Config:
 def test_choose_plan_without_tail_split_is_choose_splits():
     for cfg in (default_config(128, "fp8"), default_config(12, "fp8"), default_config(16, "nvfp4_ds_mla"),
                 _gluon_like(False)):
+        cfg = dataclasses.replace(cfg, tail_split=False)
         for rows in (1, 5, 20, 67, 80, 160, 320):
             for heads in (12, 16, 32, 128):
                 assert choose_plan(rows, heads, 2048, cfg, 132) == (0, choose_splits(rows, heads, 2048, cfg, 132))
