@@ -189,8 +189,13 @@ def test_split_heuristic_fills_the_chip():
     assert choose_splits(320, 128, 2048, cfg, 132) == 1
     s5 = choose_splits(5, 128, 2048, cfg, 132)
     assert 5 * 2 * s5 >= 100, s5  # 5 rows x 2 head tiles x splits must come near 132 SMs
-    ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=default_config(16, "fp8"))
-    assert ws.capacity >= max(r * choose_splits(r, 16, 2048, default_config(16, "fp8"), 4) * 16 for r in range(1, 65))
+    # the workspace holds every plan's split rows: tail-split plans (the default), or every row split alike
+    for cfg in (default_config(16, "fp8"), dataclasses.replace(default_config(16, "fp8"), tail_split=False)):
+        ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=cfg)
+        plans = [choose_plan(r, 16, 2048, cfg, 4) for r in range(1, 65)]
+        assert ws.capacity == max((r - w) * s * 16 for r, (w, s) in enumerate(plans, 1) if s > 1)
+        if not cfg.tail_split:
+            assert all(w == 0 for w, _ in plans)
 
 
 def _gluon_like(tail_split: bool) -> Config:
@@ -225,13 +230,12 @@ def test_tail_split_plans():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
-    """TritonDecode with tail_split configs: a batch past a full wave runs as two launches on row slices (the whole
+    """TritonDecode (tail_split configs, the default): a batch past a full wave runs as two launches on row slices (the whole
     rows unsplit, the rest split and combined); every row matches the reference, the workspace holds the plan.
     This file's kernel on a GPU too (VLLM_KIMI_DSA_GLUON=0): the Gluon kernels' plans are test_gluon_*'s."""
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     base = default_config(16, fmt)
-    monkeypatch.setattr(triton_decode, "default_config",
-                        lambda heads, f: Config(**{**base.__dict__, "tail_split": True}))
+    assert base.tail_split
     slots_per_wave = triton_decode.num_sms(DEVICE) * base.ctas_per_sm
     rows, width = slots_per_wave + 3, 256
     setup = DecodeSetup(

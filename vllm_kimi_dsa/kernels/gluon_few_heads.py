@@ -466,10 +466,10 @@ def nvfp4_params() -> FewHeadsParams:
 
 
 def few_heads_config() -> td.Config:
-    """tail_split: H200, H = 16 fp8 146.6 vs 161.0 µs at 320 rows, 81.5 vs 101.9 at 160; nvfp4 H = 12 190.2 vs
-    205.3 at 320; H = 32 fp8 78.8 vs 97.4 at 80 rows (NOTES v11)."""
+    """Its tail-split plans (td.Config.tail_split): H200, H = 16 fp8 146.6 vs 161.0 µs at 320 rows, 81.5 vs 101.9
+    at 160; nvfp4 H = 12 190.2 vs 205.3 at 320; H = 32 fp8 78.8 vs 97.4 at 80 rows (NOTES v11)."""
     return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1, imprecise=0,
-                     swap=True, split_tiles=SPLIT_TILES, tail_split=True)
+                     swap=True, split_tiles=SPLIT_TILES)
 
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:

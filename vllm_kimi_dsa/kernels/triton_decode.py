@@ -7,6 +7,8 @@ kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,8 +44,9 @@ class Config:
     ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
     split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's fp32 partial costs (its write + the combine's read)
     # plan a batch as whole rows filling full waves unsplit, then the rest split to fill one more (choose_plan);
-    # False: every row split alike (choose_splits)
-    tail_split: bool = False
+    # False: every row split alike (choose_splits). On for every config: on the H200 never slower beyond spread, and
+    # up to 18% faster at 80-320 rows (NOTES v11: both Gluon kernels and the `tl` configs, each in one run)
+    tail_split: bool = True
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
@@ -54,8 +57,8 @@ def default_config(heads: int, fmt: CacheFormat) -> Config:
     one at 12 heads); nvfp4 16-head blocks of the head-major one with register prefetch and lazy rescaling.
     """
     fmt = normalize_format(fmt)
-    if heads > 32:  # tail_split: H = 128 nvfp4 406 vs 505 µs at 80 rows, 780 vs 871 at 160; fp8 193 vs 229 (v11)
-        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, imprecise=0, tail_split=True)
+    if heads > 32:
+        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, imprecise=0)
     if fmt == "fp8":
         if heads > 16:  # round 4: 360 µs at 320 rows, vs 364 for 16-head blocks x 2 and 375 for a 64-head tile
             return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, imprecise=0, swap=True)
@@ -636,8 +639,9 @@ def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: 
     """The workspace and split count of a single call (tests, benchmarks) where the caller gave none: sized for
     exactly this call, split as choose_splits picks. Not for the hot path (it allocates)."""
     rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
-    if workspace is None:
-        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=config)
+    if workspace is None:  # one launch, every row split alike: choose_splits' plan, not a tail-split one
+        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
+                                   config=dataclasses.replace(config, tail_split=False))
     if splits is None:
         splits = choose_splits(rows, heads, width, config, num_sms(query.device))
     return workspace, splits
