@@ -44,10 +44,6 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              "few-cvt16-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 16},
                              "few-cvt8-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 8},
                              "few-k2v5-nvfp4": {"k_stages": 2, "v_slots": 5, "nvfp4": True},
-                             # two converter warpgroups on alternate tiles
-                             "few-2cvt-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "converters": 2},
-                             "few-2cvt16-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "converters": 2,
-                                                  "cvt_rows": 16},
                              # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
                              "few-tail": {"tail_split": True},
                              "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True}}

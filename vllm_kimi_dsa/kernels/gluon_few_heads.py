@@ -237,15 +237,11 @@ if gd.gl is not None:
 
     @gluon.jit
     def _nvfp4_converter(
-        pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles, first,
+        pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-        STEP: gl.constexpr,
     ):
-        """Tiles first, first + STEP, ...: tile j's latent, e2m1 x e4m3 -> fp16 (exact: <= 6 significant bits within
-        2**-10 .. 2688), into V16 uses 2 j (the even dims: low nibbles) and 2 j + 1 (the odd dims), both at once;
-        then release the K stage. With STEP 2 (two converter warpgroups) and V_SLOTS 4, even tiles use V16 slots 0, 1
-        and odd tiles 2, 3: each slot's phases advance in one converter's order, and each tile's K stage gets the
-        one converter arrival k_empty counts.
+        """Tile j's latent, e2m1 x e4m3 -> fp16 (exact: <= 6 significant bits within 2**-10 .. 2688), into V16 uses
+        2 j (the even dims: low nibbles) and 2 j + 1 (the odd dims), both at once; then release the K stage.
 
         A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
         whose scale is raw byte 8 q + r, so the (64, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
@@ -254,7 +250,7 @@ if gd.gl is not None:
         pk_layout: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [8, 2, 2, 1], [CVT_WR, 4 // CVT_WR, 1, 1], [3, 2, 1, 0])
         plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        for j in range(first, num_tiles, STEP):
+        for j in range(num_tiles):
             cstage = j % K_STAGES
             mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
             u = 2 * j
@@ -284,11 +280,10 @@ if gd.gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-        CONVERTERS: gl.constexpr,
     ):
         """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
         the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
-        and _nvfp4_converter as the producer warpgroups (CONVERTERS 2: two of them, on alternate tiles)."""
+        and _nvfp4_converter as the producer warpgroups."""
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], v16_layout)  # Q even dims, Q odd dims
@@ -310,46 +305,23 @@ if gd.gl is not None:
         _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
-        # (the partitions' arguments are spelled out in both calls: a tuple variable loses its constexprs)
-        if CONVERTERS == 2:
-            # registers: the consumer gets 504 - 64 - 2 x 112 = 216 (its O^T halves are 64)
-            gl.warp_specialize(
-                [
-                    (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
-                                     k_ready, k_empty, v_ready, v_empty,
-                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, h0, num_tiles, H, num_splits,
-                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                     BH, K_STAGES, V_SLOTS, True)),
-                    (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, sc_s, True)),
-                    (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles, 0,
-                                        _BN, K_STAGES, V_SLOTS, CVT_ROWS, 2)),
-                    (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles, 1,
-                                        _BN, K_STAGES, V_SLOTS, CVT_ROWS, 2)),
-                ],
-                [4, 4, 4],
-                [64, 112, 112],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
-                                     k_ready, k_empty, v_ready, v_empty,
-                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, h0, num_tiles, H, num_splits,
-                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                     BH, K_STAGES, V_SLOTS, True)),
-                    (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, sc_s, True)),
-                    (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles, 0,
-                                        _BN, K_STAGES, V_SLOTS, CVT_ROWS, 1)),
-                ],
-                [4, 4],
-                [120, 128],
-            )
+        gl.warp_specialize(
+            [
+                (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
+                                 k_ready, k_empty, v_ready, v_empty,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, h0, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 BH, K_STAGES, V_SLOTS, True)),
+                (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
+                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                _BN, K_STAGES, sc_s, True)),
+                (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+            ],
+            [4, 4],
+            [120, 128],
+        )
 
     @gluon.jit
     def few_heads_kernel(
@@ -366,7 +338,6 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
-        CONVERTERS: gl.constexpr,  # nvfp4: converter warpgroups (1 or 2, on alternate tiles)
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
@@ -383,7 +354,7 @@ if gd.gl is not None:
                                row, split, h0, start, end, num_tiles, H, num_splits,
                                stride_q_row, stride_q_head, stride_kv, stride_s_row,
                                stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                               BH, K_STAGES, V_SLOTS, CVT_ROWS, CONVERTERS)
+                               BH, K_STAGES, V_SLOTS, CVT_ROWS)
             return
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -463,14 +434,8 @@ class FewHeadsParams:
     # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
     # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
     nvfp4: bool = False
-    # nvfp4: converter warpgroups on alternate tiles (2: 16 warps; the nvfp4 decode is ~750 instructions a tile on
-    # one warpgroup, NOTES v10). Needs v_slots 4 (each converter its own two V16 halves)
-    converters: int = 1
 
     def __post_init__(self) -> None:
-        if self.converters not in (1, 2) or (self.converters == 2 and (not self.nvfp4 or self.v_slots != 4)):
-            raise ValueError(f"converters must be 1, or 2 with nvfp4 and v_slots 4, got {self.converters} "
-                             f"(nvfp4={self.nvfp4}, v_slots={self.v_slots})")
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
             raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
                              "halves while P.V holds the previous tile's)")
@@ -511,7 +476,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, CONVERTERS=params.converters)
+                NVFP4=params.nvfp4)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
