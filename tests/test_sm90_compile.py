@@ -48,7 +48,8 @@ args = json.loads(sys.argv[1])
 k = gluon_report.compile_gluon(args.pop("kernel", "gluon"), **args)
 s = gluon_report.analyze(k)
 print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores")}
-                 | {"kinds": sorted({lp["kind"] for lp in s["loops"]})}))
+                 | {"kinds": sorted({lp["kind"] for lp in s["loops"]}),
+                    "consumer_loops": sum(lp["kind"] == "consumer" for lp in s["loops"])}))
 """
 
 
@@ -56,9 +57,10 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
 @pytest.mark.parametrize("overrides", [{}, {"qk_split": False}, {"kernel": "few"}, {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
-                                       {"kernel": "few", "heads": 32}],
+                                       {"kernel": "few", "heads": 32},
+                                       {"kernel": "few", "k_stages": 3, "v_slots": 3, "consumers": 2}],
                          ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer",
-                              "few_heads_nvfp4", "few_heads_32"])
+                              "few_heads_nvfp4", "few_heads_32", "few_heads_two_consumers"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel's default (qk_split) and redundant-Q.K consumers; the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
@@ -74,3 +76,5 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     assert {"consumer", "producer"} <= set(s["kinds"]), f"expected a consumer and a producer tile loop: {s['kinds']}"
     if overrides.get("kernel") == "few" and overrides.get("split_producer", True):
         assert "converter" in s["kinds"], f"expected the converter warpgroup's loop: {s['kinds']}"
+        assert s["consumer_loops"] == overrides.get("consumers", 1), f"consumer loops: {s['consumer_loops']}"
+        assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"

@@ -48,6 +48,10 @@ BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queri
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
 # runs beside it)
 MAX_HEADS = 2 * BLOCK_H
+# CONSUMERS 2 (16 warps, 512 registers a thread across the four warpgroups): gatherer, converter, consumer 1; the
+# default partition (consumer 0) gets the rest. fp8 only: nvfp4's consumers (fp16 logits too) spill 340 B even with
+# 168 registers each (gluon_report)
+PP_REGS = (80, 112, 152)
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
@@ -70,6 +74,7 @@ if gd.gl is not None:
     warpgroup_mma_wait = gd.warpgroup_mma_wait
     _D = gl.constexpr(LATENT_DIM)
     _BN = gl.constexpr(BLOCK_N)
+    _PP_REGS = gl.constexpr(list(PP_REGS))
 
     @gluon.jit
     def _few_consumer(
@@ -150,17 +155,7 @@ if gd.gl is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
 
-            # online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP
-            s = s * qk_scale + gl.expand_dims(bias, 1)
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 0))
-            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
-            alpha_o = gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 0)
-            acc0 = acc0 * alpha_o
-            acc1 = acc1 * alpha_o
-            m_i = m_new
+            p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
             # P rounds to fp16 as in the Triton kernel; P.V of tile it - 1 has retired, so the buffer is free
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
@@ -172,8 +167,121 @@ if gd.gl is not None:
             acc1 = warpgroup_mma(v16_s.index((u + 1) % V_SLOTS).permute((1, 0)), p_t, acc1, is_async=True)
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         l_i = gl.sum(l_acc, axis=0)
+        _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+                      BH, NVFP4)
 
-        # epilogue, as triton_decode._epilogue
+    @gluon.jit
+    def _pp_consumer(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
+        k_ready, k_empty, v_ready, v_empty,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, h0, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, FIRST: gl.constexpr,
+    ):
+        """One of two consumer warpgroups (CONSUMERS 2) on alternate tiles FIRST, FIRST + 2, ...: each tile's Q.K,
+        online softmax and P.V in turn with its own P buffer and softmax state (the other warpgroup's tile runs
+        beside it: the two overlap instead of one warpgroup overlapping P.V of a tile with Q.K of the next). At the
+        end consumer 1 hands its (m, l, O^T) to consumer 0 through shared memory (V16 slot 0 and ml_s, both idle by
+        then: every tile is consumed) and consumer 0 merges and runs the epilogue.
+
+        merge: mbarrier 0 (consumer 0 has finished its tiles, so the V16 ring is no longer read), 1 (consumer 1's
+        state is in shared memory). Each V16 half and K stage is used by one tile and so by one consumer; their
+        phases advance in tile order as with one consumer."""
+        DH: gl.constexpr = 256
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        m_i = gl.full([BH], float("-inf"), gl.float32, head_s_layout)
+        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
+        acc0 = gl.zeros([DH, BH], gl.float32, o_layout)
+        acc1 = gl.zeros([DH, BH], gl.float32, o_layout)
+        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        q_lat_t = q_lat_s.permute((1, 0))
+        q_rope_t = q_rope_s.permute((1, 0))
+        p_t = p_s.permute((1, 0))
+        for it in range(FIRST, num_tiles, 2):
+            stage = it % K_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+            bias = bias_s.index(stage).load(tok_layout)
+            fence_async_shared()
+            u = 2 * it
+            vs0 = u % V_SLOTS
+            vs1 = (u + 1) % V_SLOTS
+            # fp8 x fp8 without accumulator promotion, as _few_consumer
+            s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+            p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
+            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+            fence_async_shared()
+            mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
+            mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+            a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
+            a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
+            mbarrier.arrive(v_empty.index(vs0))
+            mbarrier.arrive(v_empty.index(vs1))
+        l_i = gl.sum(l_acc, axis=0)
+
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        o_s = v16_s.index(0)._reinterpret(gl.float32, [2 * DH, BH], plain2)  # 32 KB: one V16 half
+        if FIRST == 1:
+            mbarrier.wait(merge.index(0), 0)
+            o_s.slice(0, DH, dim=0).store(acc0)
+            o_s.slice(DH, DH, dim=0).store(acc1)
+            ml_s.slice(0, BH).store(m_i)
+            ml_s.slice(BH, BH).store(l_i)
+            fence_async_shared()
+            mbarrier.arrive(merge.index(1))
+        else:
+            mbarrier.arrive(merge.index(0))
+            mbarrier.wait(merge.index(1), 0)
+            m_o = ml_s.slice(0, BH).load(head_s_layout)
+            l_o = ml_s.slice(BH, BH).load(head_s_layout)
+            m_new = gl.maximum(m_i, m_o)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)  # 0 where this consumer saw no token (m_i = -inf), so no NaN
+            beta = gl.exp2(m_o - m_use)
+            l_i = l_i * alpha + l_o * beta
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 0)
+            beta_o = gl.expand_dims(gl.convert_layout(beta, head_o_layout), 0)
+            acc0 = acc0 * alpha_o + o_s.slice(0, DH, dim=0).load(o_layout) * beta_o
+            acc1 = acc1 * alpha_o + o_s.slice(DH, DH, dim=0).load(o_layout) * beta_o
+            _few_epilogue(acc0, acc1, m_new, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                          row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+                          BH, False)
+
+    @gluon.jit
+    def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
+        """Online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP: the tile's P,
+        the new running max, the per-thread row-sum shares and O^T rescaled."""
+        s = s * qk_scale + gl.expand_dims(bias, 1)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 0))
+        l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 0)
+        return p, m_new, l_acc, acc0 * alpha_o, acc1 * alpha_o
+
+    @gluon.jit
+    def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+                      BH: gl.constexpr, NVFP4: gl.constexpr):
+        """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1)
+        normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
+        DH: gl.constexpr = 256
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
         has = l_i > 0.0
         inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o_layout)
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
@@ -181,7 +289,6 @@ if gd.gl is not None:
         offs_d = gl.arange(0, DH, gl.SliceLayout(1, o_layout))
         mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < DH, 1)
         offs_h_s = h0 + gl.arange(0, BH, head_s_layout)
-        # acc0 / acc1 rows are latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1
         if NVFP4:
             d0 = offs_d * 2
             d1_off: gl.constexpr = 1
@@ -224,6 +331,17 @@ if gd.gl is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=1)
         return v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty
+
+    @gluon.jit
+    def _alloc_merge(BH: gl.constexpr):
+        """CONSUMERS 2: consumer 1's P buffer, its (m, l) for the merge and the two merge mbarriers (_pp_consumer)."""
+        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        p1_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
+        ml_s = gl.allocate_shared_memory(gl.float32, [2 * BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        merge = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(merge.index(0), count=1)
+        mbarrier.init(merge.index(1), count=1)
+        return p1_s, ml_s, merge
 
     @gluon.jit
     def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
@@ -338,6 +456,7 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
+        CONSUMERS: gl.constexpr,  # 2: two consumer warpgroups on alternate tiles (_pp_consumer), 16 warps; fp8
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
@@ -377,7 +496,32 @@ if gd.gl is not None:
         fence_async_shared()
 
         # (the consumer's arguments are spelled out in both calls: a tuple variable loses its constexprs)
-        if SPLIT_PRODUCER:
+        if CONSUMERS == 2:
+            p1_s, ml_s, merge = _alloc_merge(BH)
+            gl.warp_specialize(
+                [
+                    (_pp_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
+                                    k_ready, k_empty, v_ready, v_empty,
+                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                    row, split, h0, num_tiles, H, num_splits,
+                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                    BH, K_STAGES, V_SLOTS, 0)),
+                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                    _BN, K_STAGES)),
+                    (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+                    (_pp_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p1_s, ml_s, merge,
+                                    k_ready, k_empty, v_ready, v_empty,
+                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                    row, split, h0, num_tiles, H, num_splits,
+                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                    BH, K_STAGES, V_SLOTS, 1)),
+                ],
+                [4, 4, 4],
+                _PP_REGS,
+            )
+        elif SPLIT_PRODUCER:
             # gathers and conversions in warpgroups of their own (registers: the consumer gets 504 - 120 - 128)
             gl.warp_specialize(
                 [
@@ -434,8 +578,13 @@ class FewHeadsParams:
     # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
     # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
     nvfp4: bool = False
+    # 2: two consumer warpgroups on alternate tiles, merged at the end (_pp_consumer; 16 warps; fp8 rows with the
+    # split producer)
+    consumers: int = 1
 
     def __post_init__(self) -> None:
+        if self.consumers not in (1, 2) or (self.consumers == 2 and (self.nvfp4 or not self.split_producer)):
+            raise ValueError(f"consumers must be 1, or 2 with fp8 rows and split_producer, got {self.consumers}")
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
             raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
                              "halves while P.V holds the previous tile's)")
@@ -448,12 +597,13 @@ class FewHeadsParams:
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
+        """Q, K ring, V16 ring, P (one a consumer), plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
         if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
         else:
             q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
-        return q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + BLOCK_H * BLOCK_N * 2 + 2048
+        return (q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + self.consumers * BLOCK_H * BLOCK_N * 2
+                + 2048)
 
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
@@ -476,7 +626,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4)
+                NVFP4=params.nvfp4, CONSUMERS=params.consumers)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
