@@ -341,6 +341,7 @@ if gd.gl is not None:
         merge = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(merge.index(0), count=1)
         mbarrier.init(merge.index(1), count=1)
+        fence_async_shared()  # the inits before the partitions start, as _alloc_rings' are (Q's fence follows them)
         return p1_s, ml_s, merge
 
     @gluon.jit
