@@ -8,6 +8,7 @@ kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import os
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ def _split_cost(rows: int, head_blocks: int, tiles: int, splits: int, cfg: Confi
     return waves * (per + _OVERHEAD + split * cfg.split_tiles) + split * 0.5, used
 
 
+# Plans are pure functions of small integers and a frozen Config; every layer's kernel object asks for the same ones
+# (and choose_plan asks _best_splits again for each wave count), so they are worked out once a process.
+@functools.lru_cache(maxsize=1 << 16)
 def _best_splits(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per_wave: int) -> tuple[int, float]:
     best, best_cost = 1, float("inf")
     for splits in range(1, min(tiles, 64) + 1):
@@ -101,6 +105,7 @@ def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> i
     return _best_splits(rows, triton.cdiv(heads, cfg.block_h), tiles, cfg, sms * cfg.ctas_per_sm)[0]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[int, int]:
     """(whole_rows, splits): the first whole_rows rows run unsplit in one launch, the others split `splits` ways in
     a second (whole_rows 0: one launch, as choose_splits). With cfg.tail_split, whole_rows may fill k full waves
