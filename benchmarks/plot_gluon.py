@@ -2,7 +2,10 @@
 """Pictures of the Hopper Gluon kernels' runs: few_heads_bench.json (bench_few_heads.py: µs vs rows at H = 16 / 12
 with the copy-bandwidth floor of the same run) and gluon_bench.json (bench_gluon.py: µs vs rows at H = 128).
 
-    python3 benchmarks/plot_gluon.py --few FEW_JSON [--gluon GLUON_JSON] --out PNG
+    python3 benchmarks/plot_gluon.py --few FEW_JSON [--gluon GLUON_JSON] [--few-keys few/H16,few-tail/H16] --out PNG
+
+The few-heads panel draws FP8-cache runs only (its floor is the 576-byte rows at the copy bandwidth), or the
+keys given.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--few", required=True)
     p.add_argument("--gluon", default=None)
+    p.add_argument("--few-keys", default="", help="comma-separated result keys to draw (default: every FP8 one)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    keys = set(filter(None, a.few_keys.split(",")))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,6 +38,8 @@ def main() -> None:
     k = few["K"]
     all_rows: set[int] = set()
     for name, rec in few["results"].items():
+        if (name not in keys) if keys else ("nvfp4" in name):
+            continue
         rows = sorted(int(r) for r in rec.get("times", {}))
         if not rows:
             continue
@@ -42,7 +49,7 @@ def main() -> None:
     ax.plot(rows, [r * k * ROW_BYTES / copy / 1e3 for r in rows], "k--", label="floor: KV bytes at copy bandwidth")
     ax.plot(rows, [r * k * ROW_BYTES / (0.75 * copy) / 1e3 for r in rows], "k:", label="target: 75% of copy")
     ax.set(xscale="log", yscale="log", xlabel="rows (decode tokens)", ylabel="µs per call",
-           title=f"FP8 cache, K={k}, H=16 / 12 ({few['device']})")
+           title=f"FP8 cache, K={k}, few heads ({few['device']})")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     if a.gluon:
