@@ -47,6 +47,7 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              # two consumer warpgroups on alternate tiles (fp8)
                              "few-pp": {"k_stages": 3, "v_slots": 3, "consumers": 2},
                              "few-pp-k4v2": {"consumers": 2},
+                             "few-pp-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "consumers": 2},
                              # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
                              "few-tail": {"tail_split": True},
                              "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True}}

@@ -112,6 +112,12 @@ NVFP4_CASES = [
     nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
     nvfp4_case(5, 32, 2048, splits=1),
     nvfp4_case(19, 20, 1024, splits=2),
+    # two consumer warpgroups on alternate tiles
+    nvfp4_case(1, 16, 2048, splits=1, consumers=2),
+    nvfp4_case(5, 12, 2048, splits=3, consumers=2),
+    nvfp4_case(33, 12, 128, splits=1, consumers=2),
+    nvfp4_case(320, 16, 2048, consumers=2),
+    nvfp4_case(19, 20, 1024, splits=2, consumers=2),
 ]
 
 

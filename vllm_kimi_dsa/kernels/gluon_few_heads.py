@@ -48,10 +48,12 @@ BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queri
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
 # runs beside it)
 MAX_HEADS = 2 * BLOCK_H
-# CONSUMERS 2 (16 warps, 512 registers a thread across the four warpgroups): gatherer, converter, consumer 1; the
-# default partition (consumer 0) gets the rest. fp8 only: nvfp4's consumers (fp16 logits too) spill 340 B even with
-# 168 registers each (gluon_report)
+# CONSUMERS 2 (16 warps, 512 registers a thread across the four warpgroups). fp8: gatherer, converter, consumer 1;
+# the default partition (consumer 0) gets the rest (168; no spills at K ring 3 / V16 3). nvfp4: consumer 0,
+# converter, consumer 1, the gatherer (default partition) the rest (56): consumer 0, which also merges and stores,
+# still spills ~210 B (gluon_report; 176 / 200 registers for it spilled as much or more)
 PP_REGS = (80, 112, 152)
+PP_REGS_NVFP4 = (192, 104, 160)
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
@@ -75,6 +77,7 @@ if gd.gl is not None:
     _D = gl.constexpr(LATENT_DIM)
     _BN = gl.constexpr(BLOCK_N)
     _PP_REGS = gl.constexpr(list(PP_REGS))
+    _PP_REGS_NVFP4 = gl.constexpr(list(PP_REGS_NVFP4))
 
     @gluon.jit
     def _few_consumer(
@@ -180,6 +183,7 @@ if gd.gl is not None:
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, FIRST: gl.constexpr,
+        NVFP4: gl.constexpr = False,
     ):
         """One of two consumer warpgroups (CONSUMERS 2) on alternate tiles FIRST, FIRST + 2, ...: each tile's Q.K,
         online softmax and P.V in turn with its own P buffer and softmax state (the other warpgroup's tile runs
@@ -202,7 +206,14 @@ if gd.gl is not None:
         acc0 = gl.zeros([DH, BH], gl.float32, o_layout)
         acc1 = gl.zeros([DH, BH], gl.float32, o_layout)
         s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
-        q_lat_t = q_lat_s.permute((1, 0))
+        if NVFP4:  # as _few_consumer: Q as fp16 even / odd latent dims against the tile's V16 halves
+            s16_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, BH, 16])
+            s16_zero = gl.zeros([_BN, BH], gl.float32, s16_layout)
+            q_even_t = q_lat_s.index(0).permute((1, 0))
+            q_odd_t = q_lat_s.index(1).permute((1, 0))
+        else:
+            q_lat_t = q_lat_s.permute((1, 0))
         q_rope_t = q_rope_s.permute((1, 0))
         p_t = p_s.permute((1, 0))
         for it in range(FIRST, num_tiles, 2):
@@ -213,16 +224,26 @@ if gd.gl is not None:
             u = 2 * it
             vs0 = u % V_SLOTS
             vs1 = (u + 1) % V_SLOTS
-            # fp8 x fp8 without accumulator promotion, as _few_consumer
-            s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if NVFP4:
+                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
+                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+                s_lat = warpgroup_mma(v16_s.index(vs0), q_even_t, s16_zero, use_acc=False, is_async=True)
+                s_lat = warpgroup_mma(v16_s.index(vs1), q_odd_t, s_lat, is_async=True)
+                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
+                s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
+                s = s + gl.convert_layout(s_lat, s_layout)
+            else:
+                # fp8 x fp8 without accumulator promotion, as _few_consumer
+                s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
             p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
-            mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
-            mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+            if not NVFP4:
+                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
+                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
             a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
             a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
@@ -256,7 +277,7 @@ if gd.gl is not None:
             acc1 = acc1 * alpha_o + o_s.slice(DH, DH, dim=0).load(o_layout) * beta_o
             _few_epilogue(acc0, acc1, m_new, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                           row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                          BH, False)
+                          BH, NVFP4)
 
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
@@ -399,6 +420,7 @@ if gd.gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
+        CONSUMERS: gl.constexpr,
     ):
         """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
         the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
@@ -424,6 +446,32 @@ if gd.gl is not None:
         _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
+        if CONSUMERS == 2:
+            p1_s, ml_s, merge = _alloc_merge(BH)
+            gl.warp_specialize(
+                [
+                    (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
+                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                    _BN, K_STAGES, sc_s, True)),
+                    (_pp_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
+                                    k_ready, k_empty, v_ready, v_empty,
+                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                    row, split, h0, num_tiles, H, num_splits,
+                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                    BH, K_STAGES, V_SLOTS, 0, True)),
+                    (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                        _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
+                    (_pp_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p1_s, ml_s, merge,
+                                    k_ready, k_empty, v_ready, v_empty,
+                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                    row, split, h0, num_tiles, H, num_splits,
+                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                    BH, K_STAGES, V_SLOTS, 1, True)),
+                ],
+                [4, 4, 4],
+                _PP_REGS_NVFP4,
+            )
+            return
         gl.warp_specialize(
             [
                 (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
@@ -457,7 +505,7 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
-        CONSUMERS: gl.constexpr,  # 2: two consumer warpgroups on alternate tiles (_pp_consumer), 16 warps; fp8
+        CONSUMERS: gl.constexpr,  # 2: two consumer warpgroups on alternate tiles (_pp_consumer), 16 warps
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
@@ -474,7 +522,7 @@ if gd.gl is not None:
                                row, split, h0, start, end, num_tiles, H, num_splits,
                                stride_q_row, stride_q_head, stride_kv, stride_s_row,
                                stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                               BH, K_STAGES, V_SLOTS, CVT_ROWS)
+                               BH, K_STAGES, V_SLOTS, CVT_ROWS, CONSUMERS)
             return
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -579,13 +627,13 @@ class FewHeadsParams:
     # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
     # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
     nvfp4: bool = False
-    # 2: two consumer warpgroups on alternate tiles, merged at the end (_pp_consumer; 16 warps; fp8 rows with the
-    # split producer)
+    # 2: two consumer warpgroups on alternate tiles, merged at the end (_pp_consumer; 16 warps; split producer).
+    # Prepared, not GPU-run (NOTES v11)
     consumers: int = 1
 
     def __post_init__(self) -> None:
-        if self.consumers not in (1, 2) or (self.consumers == 2 and (self.nvfp4 or not self.split_producer)):
-            raise ValueError(f"consumers must be 1, or 2 with fp8 rows and split_producer, got {self.consumers}")
+        if self.consumers not in (1, 2) or (self.consumers == 2 and not self.split_producer):
+            raise ValueError(f"consumers must be 1, or 2 with split_producer, got {self.consumers}")
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
             raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
                              "halves while P.V holds the previous tile's)")
