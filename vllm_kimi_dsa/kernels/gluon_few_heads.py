@@ -26,6 +26,9 @@ nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with 
 of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
 fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
 
+FewHeadsParams(consumers=2) (PREPARED, NOT GPU-run yet; off by default): two consumer warpgroups on alternate tiles
+(_pp_consumer, 16 warps), merged through shared memory at the end, for both row formats.
+
 17..32 heads (MULTI_HB; GPU-tested on 3.6 and 3.8): one CTA a 16-head block (a 32-head consumer would spill:
 128 accumulator registers), each gathering its rows again (from L2 when its sibling runs beside it). Not for more
 than 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
