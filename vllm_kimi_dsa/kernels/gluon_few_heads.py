@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
 from vllm_kimi_dsa.kernels import gluon_decode as gd
@@ -82,6 +83,27 @@ if gd.gl is not None:
     _PP_REGS = gl.constexpr(list(PP_REGS))
     _PP_REGS_NVFP4 = gl.constexpr(list(PP_REGS_NVFP4))
 
+    @triton.constexpr_function
+    def _mma_layout(BH, k):
+        """The wgmma accumulator layout of a (tokens or latent dims) x BH-heads tile, instruction K k: 32 for S^T
+        on fp8 operands, 16 for O^T (and nvfp4's fp16 latent logits)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, k])
+
+    @gluon.jit
+    def _consumer_state(BH: gl.constexpr):
+        """A consumer's starting state: the running max, per-thread shares of the row sums (summed down the tokens
+        once, after the loop: no reduction a tile), O^T as latent dims 0..255 / 256..511 (or nvfp4's even / odd),
+        and the zero accumulators of S^T on fp8 and on fp16 operands."""
+        s_layout: gl.constexpr = _mma_layout(BH, 32)
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
+        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
+        acc0 = gl.zeros([256, BH], gl.float32, o_layout)
+        acc1 = gl.zeros([256, BH], gl.float32, o_layout)
+        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)
+        return m_i, l_acc, acc0, acc1, s_zero, s16_zero
+
     @gluon.jit
     def _few_consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
@@ -97,23 +119,11 @@ if gd.gl is not None:
         NVFP4: the latent logits come from the converter's V16 halves (even / odd latent dims, fp16, exact) against
         q_lat_s = (Q even dims, Q odd dims) in fp16, so tile it's Q.K also waits for its V16 halves; the RoPE part
         stays fp8 x fp8 from the K stage. acc0 / acc1 are then the even / odd dims of O^T."""
-        DH: gl.constexpr = 256  # latent dims a V16 half
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        s_layout: gl.constexpr = _mma_layout(BH, 32)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-        m_i = gl.full([BH], float("-inf"), gl.float32, head_s_layout)
-        # per-thread shares of the row sums (summed down the tokens once, after the loop: no reduction a tile)
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc0 = gl.zeros([DH, BH], gl.float32, o_layout)  # O^T, latent dims 0..255
-        acc1 = gl.zeros([DH, BH], gl.float32, o_layout)  # 256..511
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        head_o_layout: gl.constexpr = gl.SliceLayout(0, _mma_layout(BH, 16))
+        m_i, l_acc, acc0, acc1, s_zero, s16_zero = _consumer_state(BH)
         if NVFP4:
-            s16_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                 instr_shape=[16, BH, 16])
-            s16_zero = gl.zeros([_BN, BH], gl.float32, s16_layout)
             q_even_t = q_lat_s.index(0).permute((1, 0))
             q_odd_t = q_lat_s.index(1).permute((1, 0))
         else:
@@ -198,21 +208,13 @@ if gd.gl is not None:
         state is in shared memory). Each V16 half and K stage is used by one tile and so by one consumer; their
         phases advance in tile order as with one consumer."""
         DH: gl.constexpr = 256
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        s_layout: gl.constexpr = _mma_layout(BH, 32)
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-        m_i = gl.full([BH], float("-inf"), gl.float32, head_s_layout)
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc0 = gl.zeros([DH, BH], gl.float32, o_layout)
-        acc1 = gl.zeros([DH, BH], gl.float32, o_layout)
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        m_i, l_acc, acc0, acc1, s_zero, s16_zero = _consumer_state(BH)
         if NVFP4:  # as _few_consumer: Q as fp16 even / odd latent dims against the tile's V16 halves
-            s16_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                 instr_shape=[16, BH, 16])
-            s16_zero = gl.zeros([_BN, BH], gl.float32, s16_layout)
             q_even_t = q_lat_s.index(0).permute((1, 0))
             q_odd_t = q_lat_s.index(1).permute((1, 0))
         else:
@@ -302,9 +304,8 @@ if gd.gl is not None:
         """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1)
         normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
         DH: gl.constexpr = 256
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
+        head_s_layout: gl.constexpr = gl.SliceLayout(0, _mma_layout(BH, 32))
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
         has = l_i > 0.0
         inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o_layout)
