@@ -90,6 +90,12 @@ if gd.gl is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, k])
 
     @gluon.jit
+    def _wait_v16(v_ready, u, V_SLOTS: gl.constexpr):
+        """Wait for V16 uses u and u + 1 (a tile's two halves) to be converted."""
+        mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
+        mbarrier.wait(v_ready.index((u + 1) % V_SLOTS), ((u + 1) // V_SLOTS) & 1)
+
+    @gluon.jit
     def _consumer_state(BH: gl.constexpr):
         """A consumer's starting state: the running max, per-thread shares of the row sums (summed down the tokens
         once, after the loop: no reduction a tile), O^T as latent dims 0..255 / 256..511 (or nvfp4's even / odd),
@@ -149,8 +155,7 @@ if gd.gl is not None:
             if NVFP4:
                 # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
                 uc = 2 * it
-                mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
-                mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
+                _wait_v16(v_ready, uc, V_SLOTS)
                 # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the
                 # RoPE part fp8 x fp8 into its own, added after the wait
                 s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
@@ -230,8 +235,7 @@ if gd.gl is not None:
             vs0 = u % V_SLOTS
             vs1 = (u + 1) % V_SLOTS
             if NVFP4:
-                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
-                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+                _wait_v16(v_ready, u, V_SLOTS)
                 s_lat = warpgroup_mma(v16_s.index(vs0), q_even_t, s16_zero, use_acc=False, is_async=True)
                 s_lat = warpgroup_mma(v16_s.index(vs1), q_odd_t, s_lat, is_async=True)
                 s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
@@ -247,8 +251,7 @@ if gd.gl is not None:
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
             if not NVFP4:
-                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
-                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
+                _wait_v16(v_ready, u, V_SLOTS)
             a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
             a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
@@ -256,8 +259,7 @@ if gd.gl is not None:
             mbarrier.arrive(v_empty.index(vs1))
         l_i = gl.sum(l_acc, axis=0)
 
-        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        o_s = v16_s.index(0)._reinterpret(gl.float32, [2 * DH, BH], plain2)  # 32 KB: one V16 half
+        o_s = v16_s.index(0)._reinterpret(gl.float32, [2 * DH, BH], _PLAIN2)  # 32 KB: one V16 half
         if FIRST == 1:
             mbarrier.wait(merge.index(0), 0)
             o_s.slice(0, DH, dim=0).store(acc0)
@@ -334,6 +336,8 @@ if gd.gl is not None:
             gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # fp16 tiles with 256-element (or 64-token P) rows as wgmma operands: V16 halves, P, nvfp4's fp16 Q
+    _V16_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
     @gluon.jit
     def _alloc_rings(BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
@@ -341,9 +345,8 @@ if gd.gl is not None:
         P (heads x tokens, read as P^T), the token bias, and the mbarriers, initialized: k_ready (the gatherer's
         cp.async arrivals + its bias publish), k_empty (the consumer after Q.K, the converter), v_ready (the
         converter), v_empty (the consumer after P.V)."""
-        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], v16_layout)
-        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], _V16_LAYOUT)
+        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _V16_LAYOUT)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -360,8 +363,7 @@ if gd.gl is not None:
     @gluon.jit
     def _alloc_merge(BH: gl.constexpr):
         """CONSUMERS 2: consumer 1's P buffer, its (m, l) for the merge and the two merge mbarriers (_pp_consumer)."""
-        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p1_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], v16_layout)
+        p1_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _V16_LAYOUT)
         ml_s = gl.allocate_shared_memory(gl.float32, [2 * BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         merge = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(merge.index(0), count=1)
@@ -430,8 +432,7 @@ if gd.gl is not None:
         the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
         and _nvfp4_converter as the producer warpgroups."""
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], v16_layout)  # Q even dims, Q odd dims
+        q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], _V16_LAYOUT)  # Q even dims, Q odd dims
         q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
         pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
         sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
