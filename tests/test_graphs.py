@@ -7,6 +7,7 @@ GPU only (a CPU cannot capture); K3.1 shapes (H=128, K=2048), both cache formats
 from __future__ import annotations
 
 import gc
+
 import pytest
 import torch
 

@@ -6,7 +6,6 @@ CPU (TRITON_INTERPRET=1): a few tiny cases; GPU: every head count, both formats,
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest
