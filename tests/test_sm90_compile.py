@@ -81,3 +81,20 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
         assert s["consumer_loops"] == overrides.get("consumers", 1), f"consumer loops: {s['consumer_loops']}"
         if not (overrides.get("nvfp4") and overrides.get("consumers") == 2):  # that one spills ~210 B (PP_REGS_NVFP4)
             assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
+
+
+@pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
+                    reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+@pytest.mark.parametrize("block_n,cvt_rows", [(64, 32), (64, 16), (32, 8)])
+def test_producer_layouts_are_bank_conflict_free(block_n: int, cvt_rows: int) -> None:
+    """Every shared-memory access of the gathers and conversions (both kernels, both formats) takes the ideal
+    number of wavefronts by Gluon's own count (bank_conflicts: excess accesses a wavefront). The few-heads kernel
+    runs out of shared-memory bandwidth first (ncu, NOTES v12): a layout change that brings conflicts back costs
+    it speed without failing any numeric test. The layouts it replaced must count as conflicting here."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bank_conflicts.py"), str(block_n), str(cvt_rows)],
+                       capture_output=True, text=True, env=_compile_env(), cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {w[1]: int(w[2]) for w in (line.split() for line in r.stdout.splitlines()) if w[:1] == ["RESULT"]}
+    assert len(got) == 9, r.stdout
+    assert got.pop("old_lat_gather") > 0 and got.pop("old_nvfp4_cvt_load") > 0, "the check does not see conflicts"
+    assert got == dict.fromkeys(got, 0), got

@@ -9,8 +9,8 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
 - Before the fork the default warpgroup stores Q (64 heads x 576 e4m3, padded heads 0) into NVMMA-swizzled shared
   memory (latent and RoPE apart) and initializes the mbarriers.
 - WG2, the producer (56 registers via setmaxnreg): per tile it gathers the 576-byte rows of the BLOCK_N slots (loaded
-  a tile ahead) with cp.async (16-byte chunks, a warp instruction 8 rows x 64 B: conflict-free in the swizzle; rows
-  of holes / tokens past the split are zero-filled, so V is finite) into stage
+  a tile ahead) with cp.async (16-byte chunks, 8 lanes on 128 contiguous bytes of a row: conflict-free in the
+  swizzle, _ROW_LAYOUT; rows of holes / tokens past the split are zero-filled, so V is finite) into stage
   it % K_STAGES of the K ring, and has every thread `cp.async.mbarrier.arrive.noinc` on k_ready[stage]. Then it
   converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring, a half (BLOCK_N x
   256 fp16, one consumer's columns) at a time: tile i's half h is use u = 2 i + h of slot u % V_SLOTS (3 slots: the
@@ -375,10 +375,17 @@ if gl is not None:
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
-    # A warp instruction moves 8 rows x 64 bytes (4 lanes of 16 bytes a row): two 32-byte sectors of each gathered
-    # row, and 32 distinct 16-byte bank groups in the 128-byte-swizzled ring (a warp on one 512-byte row hit the
-    # same banks four times: ncu, NOTES v6). A thread then needs 2 slots a tile, not 16.
-    _ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+    # Shared-memory wavefronts of 16-byte accesses are served 8 lanes at a time: those 8 lanes must hit 8
+    # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, the layout before NOTES
+    # v12) took two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the
+    # few-heads kernel's shared-memory wavefronts, the resource that kernel runs out of first (ncu). Now 8 lanes
+    # move 128 contiguous bytes of one row. The RoPE (64-byte rows) is gathered 8 bytes a lane with the same rows
+    # a thread, so one slot vector serves both; the conversion reads 8 e4m3 and writes 8 fp16 a lane (16 lanes
+    # across a row) so that both its loads and its fp16 stores are conflict-free. tests/test_sm90_compile checks
+    # each against its buffer with Gluon's bank_conflicts.
+    _ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+    _ROPE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+    _CVT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
     @gluon.jit
     def _load_slots(s_base, start, end, t, BLOCK_N: gl.constexpr):
@@ -393,14 +400,20 @@ if gl is not None:
         publish its 0 / -inf token bias, and have the gathering warpgroup arrive on k_ready[stage]."""
         stage = it % K_STAGES
         ok = slot >= 0
-        valid = gl.expand_dims(ok, 1)
-        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
+        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
         offs_lat = gl.arange(0, 512, gl.SliceLayout(0, _ROW_LAYOUT))
-        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, _ROW_LAYOUT))
+        # _ROPE_LAYOUT gives a thread the same rows as _ROW_LAYOUT: these conversions move nothing
+        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, _ROPE_LAYOUT))
+        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_LAYOUT))
+        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, _ROPE_LAYOUT))
         # the stage is free once the consumers' Q.K and the conversion of tile it - K_STAGES are done
         mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(k_lat_s.index(stage), row_base + gl.expand_dims(offs_lat, 0), mask=valid)
-        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), row_base + gl.expand_dims(offs_rope, 0), mask=valid)
+        async_copy.async_copy_global_to_shared(
+            k_lat_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_lat, 0),
+            mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(
+            k_rope_s.index(stage), kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0),
+            mask=gl.expand_dims(rope_ok, 1))
         # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
         bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
         # every thread arrives (count 128) once its copies have landed; one more, ordinary arrive (release: after
@@ -413,10 +426,8 @@ if gl is not None:
                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr):
         """Tile j's latent e4m3 -> fp16 (exact) into the V16 ring, a half (BLOCK_N x 256, one consumer's columns) at
         a time: half h is use u = 2 j + h of slot u % V_SLOTS; then release the K stage (k_empty)."""
-        # a thread reads 16 contiguous e4m3 and writes 16 fp16 (two 16-byte stores); lanes 8 rows x 4 as
-        # _ROW_LAYOUT, so the swizzled V16 stores are conflict-free too; the warps tile CVT_ROWS x 256 exactly
-        CVT_WR: gl.constexpr = CVT_ROWS // 8
-        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [CVT_WR, 4 // CVT_WR], [1, 0])
+        # a lane reads 8 contiguous e4m3 and writes 8 fp16, both conflict-free in _CVT_LAYOUT
+        cvt_layout: gl.constexpr = _CVT_LAYOUT
         cstage = j % K_STAGES
         mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
         k_cur = k_lat_s.index(cstage)
@@ -462,21 +473,24 @@ if gl is not None:
                            K_STAGES: gl.constexpr):
         """_gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
         stage buffers."""
-        row_layout: gl.constexpr = _ROW_LAYOUT
         stage = it % K_STAGES
         ok = slot >= 0
-        row_base = gl.expand_dims(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * stride_kv, 1)
-        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, row_layout))
-        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, row_layout))
+        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
+        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, _ROW_LAYOUT))
+        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, _ROPE_LAYOUT))  # moves nothing, as in _gather_tile
+        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_LAYOUT))
+        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, _ROPE_LAYOUT))
         sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, _SC_LAYOUT))
         sc_ok = sc_slot >= 0
         sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
         offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, _SC_LAYOUT))
         mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(pk_s.index(stage), row_base + gl.expand_dims(offs_pk, 0),
-                                                  mask=gl.expand_dims(ok, 1))
-        rope_ptrs = (row_base + gl.expand_dims(offs_rope, 0)).to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(
+            pk_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_pk, 0),
+            mask=gl.expand_dims(ok, 1))
+        rope_ptrs = (kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0)).to(
+            gl.pointer_type(gl.float8e4nv), bitcast=True)
+        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(rope_ok, 1))
         async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
                                                   mask=gl.expand_dims(sc_ok, 1))
         bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))

@@ -381,6 +381,11 @@ if gd.gl is not None:
                          mask=gl.expand_dims(offs_h < H, 1), other=0.0)
         q_rope_s.store(q_rope)
 
+    # The nvfp4 conversion's view (rows, r 8, q 4, e 8) of the packed bytes: 16 lanes read 128 contiguous bytes of
+    # a row (8 a lane) and 8 lanes store 64 fp16 of a V16 row, both conflict-free (16 bytes a lane on rows r, r + 1
+    # took two wavefronts a load: NOTES v12). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
+    _PK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [2, 4, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+
     @gluon.jit
     def _nvfp4_converter(
         pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
@@ -391,9 +396,8 @@ if gd.gl is not None:
 
         A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
         whose scale is raw byte 8 q + r, so the (64, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
-        up with the packed view's first two axes. A thread decodes 16 contiguous bytes (2 blocks) a step."""
-        CVT_WR: gl.constexpr = CVT_ROWS // 8
-        pk_layout: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [8, 2, 2, 1], [CVT_WR, 4 // CVT_WR, 1, 1], [3, 2, 1, 0])
+        up with the packed view's first two axes. A lane decodes 8 contiguous bytes (a block) a step (_PK_LAYOUT)."""
+        pk_layout: gl.constexpr = _PK_LAYOUT
         plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         for j in range(num_tiles):
