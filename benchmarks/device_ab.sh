@@ -8,19 +8,20 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ab_out}; W=$(mktemp -d); mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ -z "${NO_TESTS:-}" ]; then
-  for t in gluon_few_heads gluon_decode; do
+  for t in ${TESTS:-gluon_few_heads gluon_decode}; do
     PYTHONPATH=. timeout ${TEST_S:-150} python3 -m pytest tests/test_$t.py -q -p no:cacheprovider -rs \
       --junitxml="$W/junit_$t.xml" > "$W/tests_$t.log" 2>&1
     echo "tests $t rc=$?: $(tail -1 "$W/tests_$t.log")"; grep -E "^(FAILED|ERROR)" "$W/tests_$t.log" | head -5
   done
 fi
-FEW=${FEW:-few-tail,few-tail-nvfp4}; GLUON=${GLUON:-gluon-tail}; ROWS=${ROWS:-5,20,80,160,320}
+FEW=${FEW-few-tail,few-tail-nvfp4}; GLUON=${GLUON-gluon-tail}; ROWS=${ROWS:-5,20,80,160,320}  # "" skips one
 for side in B A B2; do
   root=.; [ $side = A ] && root=.carry/base
-  timeout ${BENCH_S:-100} python3 -u $root/benchmarks/bench_few_heads.py --out "$W/$side/few" --rows $ROWS \
-    --only $FEW --heads ${HEADS:-16,12,32} > "$W/few_$side.log" 2>&1; echo "few $side rc=$?"
-  timeout ${BENCH_S:-100} python3 -u $root/benchmarks/bench_gluon.py --out "$W/$side/gluon" --rows $ROWS \
-    --only $GLUON > "$W/gluon_$side.log" 2>&1; echo "gluon $side rc=$?"
+  : > "$W/few_$side.log"; : > "$W/gluon_$side.log"
+  [ -n "$FEW" ] && { timeout ${BENCH_S:-100} python3 -u $root/benchmarks/bench_few_heads.py --out "$W/$side/few" \
+    --rows $ROWS --only $FEW --heads ${HEADS:-16,12,32} > "$W/few_$side.log" 2>&1; echo "few $side rc=$?"; }
+  [ -n "$GLUON" ] && { timeout ${BENCH_S:-100} python3 -u $root/benchmarks/bench_gluon.py --out "$W/$side/gluon" \
+    --rows $ROWS --only $GLUON > "$W/gluon_$side.log" 2>&1; echo "gluon $side rc=$?"; }
   grep -hE "^(few|gluon)[^ ]* +rows" "$W/few_$side.log" "$W/gluon_$side.log" | sed "s/^/$side /" > "$W/table_$side.txt"
   grep -hE "ok|BAD|FAIL" "$W/few_$side.log" "$W/gluon_$side.log" | grep -v Warning | sed "s/^/$side /" | head -12
 done

@@ -504,23 +504,46 @@ if gl is not None:
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
     ):
         """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
-        cp.async issued as soon as its K stage is free. The slots are loaded four tiles ahead (2 registers a tile):
-        this loop is short, and with two tiles ahead it waited on the slot loads (ncu, few-heads-v4)."""
+        cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
+        group's loads are issued right after the previous group's first gather, so the first use of a group waits
+        on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
+        waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
+        the `slot >= 0` test took 17% of the kernel's stall samples (ncu, NOTES v12)."""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         slot0 = _load_slots(s_base, start, end, 0, BLOCK_N)
         slot1 = _load_slots(s_base, start, end, 1, BLOCK_N)
         slot2 = _load_slots(s_base, start, end, 2, BLOCK_N)
         slot3 = _load_slots(s_base, start, end, 3, BLOCK_N)
-        for it in range(num_tiles):
-            if NVFP4:  # k_lat_s holds the packed bytes, sc_s the scales
-                _gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv,
-                                   K_STAGES)
-            else:
-                _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, it, stride_kv, K_STAGES)
-            slot0 = slot1
-            slot1 = slot2
-            slot2 = slot3
-            slot3 = _load_slots(s_base, start, end, it + 4, BLOCK_N)
+        for g in range(0, num_tiles, 4):
+            _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, g, stride_kv, K_STAGES, sc_s,
+                        NVFP4)
+            next0 = _load_slots(s_base, start, end, g + 4, BLOCK_N)
+            next1 = _load_slots(s_base, start, end, g + 5, BLOCK_N)
+            next2 = _load_slots(s_base, start, end, g + 6, BLOCK_N)
+            next3 = _load_slots(s_base, start, end, g + 7, BLOCK_N)
+            if g + 1 < num_tiles:
+                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot1, g + 1, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            if g + 2 < num_tiles:
+                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot2, g + 2, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            if g + 3 < num_tiles:
+                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot3, g + 3, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            slot0 = next0
+            slot1 = next1
+            slot2 = next2
+            slot3 = next3
+
+    @gluon.jit
+    def _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES: gl.constexpr,
+                    sc_s, NVFP4: gl.constexpr):
+        """_gather_tile, or _gather_tile_nvfp4 (k_lat_s then holds the packed bytes, sc_s the scales)."""
+        if NVFP4:
+            _gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                               K_STAGES)
+        else:
+            _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
 
     @gluon.jit
     def _converter(
