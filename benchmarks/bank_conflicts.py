@@ -14,6 +14,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the counts are printed while compiling: a cached kernel would print nothing
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
