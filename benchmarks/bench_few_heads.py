@@ -44,10 +44,6 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              "few-cvt16-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 16},
                              "few-cvt8-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "cvt_rows": 8},
                              "few-k2v5-nvfp4": {"k_stages": 2, "v_slots": 5, "nvfp4": True},
-                             # two consumer warpgroups on alternate tiles (fp8)
-                             "few-pp": {"k_stages": 3, "v_slots": 3, "consumers": 2},
-                             "few-pp-k4v2": {"consumers": 2},
-                             "few-pp-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "consumers": 2},
                              # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
                              "few-tail": {"tail_split": True},
                              "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True}}

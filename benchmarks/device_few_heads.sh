@@ -18,7 +18,7 @@ group fp8 "not nvfp4 and not h20 and not h24 and not h32"
 group multi_hb "not nvfp4 and (h20 or h24 or h32)"
 group nvfp4 "nvfp4"
 # ONLY: the variants to time (bench_few_heads.NAMES; "all" for every one)
-O=${ONLY:-triton,few,few-pp,few-pp-k4v2,few-tail,few-nvfp4,few-pp-nvfp4}; [ "$O" = all ] && O=""
+O=${ONLY:-triton,few,few-tail,few-nvfp4,few-tail-nvfp4}; [ "$O" = all ] && O=""
 timeout ${BENCH_S:-360} python3 -u benchmarks/bench_few_heads.py --out "$OUT" ${ROWS:+--rows $ROWS} ${O:+--only $O} --heads ${HEADS:-16,12,32} \
   --splits "${PROBE-320:1,2,3;80:1,2,4;5:8,16,32}" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
 echo "bench rc=${PIPESTATUS[0]}"

@@ -47,11 +47,10 @@ class Case:
     cvt_rows: int = 32
     split_producer: bool = True
     nvfp4: bool = False
-    consumers: int = 1
 
     def params(self) -> FewHeadsParams:
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, nvfp4=self.nvfp4, consumers=self.consumers)
+                              split_producer=self.split_producer, nvfp4=self.nvfp4)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -87,15 +86,6 @@ CASES = [
     Case(33, 20, 128),
     Case(320, 32, 2048),
     Case(19, 32, 2048, splits=2, split_producer=False),
-    # two consumer warpgroups on alternate tiles (odd / even / one / no tile counts, count-0 rows, splits, 17..32
-    # heads, both V16 rings)
-    Case(1, 16, 2048, splits=1, k_stages=3, v_slots=3, consumers=2),
-    Case(5, 12, 2048, splits=3, k_stages=3, v_slots=3, consumers=2),
-    Case(33, 12, 128, splits=1, k_stages=3, v_slots=3, consumers=2),
-    Case(19, 1, 1024, splits=2, k_stages=3, v_slots=3, consumers=2),
-    Case(320, 16, 2048, k_stages=3, v_slots=3, consumers=2),
-    Case(7, 16, 2048, splits=1, consumers=2),
-    Case(19, 32, 2048, splits=2, k_stages=3, v_slots=3, consumers=2),
 ]
 
 # nvfp4_ds_mla
@@ -112,12 +102,6 @@ NVFP4_CASES = [
     nvfp4_case(7, 16, 2048, splits=1, k_stages=2, v_slots=5),  # an odd V16 ring: a tile's halves straddle slots
     nvfp4_case(5, 32, 2048, splits=1),
     nvfp4_case(19, 20, 1024, splits=2),
-    # two consumer warpgroups on alternate tiles
-    nvfp4_case(1, 16, 2048, splits=1, consumers=2),
-    nvfp4_case(5, 12, 2048, splits=3, consumers=2),
-    nvfp4_case(33, 12, 128, splits=1, consumers=2),
-    nvfp4_case(320, 16, 2048, consumers=2),
-    nvfp4_case(19, 20, 1024, splits=2, consumers=2),
 ]
 
 
@@ -162,7 +146,7 @@ def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}-c{c.consumers}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
 def test_matches_reference(case: Case) -> None:
     fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)
@@ -243,7 +227,7 @@ def test_rejects_many_heads() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 
 
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}-c{c.consumers}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
     assert case.params().nvfp4 == case.nvfp4

@@ -26,9 +26,6 @@ nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with 
 of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
 fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
 
-FewHeadsParams(consumers=2) (PREPARED, NOT GPU-run yet; off by default): two consumer warpgroups on alternate tiles
-(_pp_consumer, 16 warps), merged through shared memory at the end, for both row formats.
-
 17..32 heads (MULTI_HB; GPU-tested on 3.6 and 3.8): one CTA a 16-head block (a 32-head consumer would spill:
 128 accumulator registers), each gathering its rows again (from L2 when its sibling runs beside it). Not for more
 than 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
@@ -52,12 +49,6 @@ BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queri
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
 # runs beside it)
 MAX_HEADS = 2 * BLOCK_H
-# CONSUMERS 2 (16 warps, 512 registers a thread across the four warpgroups). fp8: gatherer, converter, consumer 1;
-# the default partition (consumer 0) gets the rest (168; no spills at K ring 3 / V16 3). nvfp4: consumer 0,
-# converter, consumer 1, the gatherer (default partition) the rest (56): consumer 0, which also merges and stores,
-# still spills ~210 B (gluon_report; 176 / 200 registers for it spilled as much or more)
-PP_REGS = (80, 112, 152)
-PP_REGS_NVFP4 = (192, 104, 160)
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
@@ -80,8 +71,6 @@ if gd.gl is not None:
     warpgroup_mma_wait = gd.warpgroup_mma_wait
     _D = gl.constexpr(LATENT_DIM)
     _BN = gl.constexpr(BLOCK_N)
-    _PP_REGS = gl.constexpr(list(PP_REGS))
-    _PP_REGS_NVFP4 = gl.constexpr(list(PP_REGS_NVFP4))
 
     @triton.constexpr_function
     def _mma_layout(BH, k):
@@ -193,100 +182,6 @@ if gd.gl is not None:
                       BH, NVFP4)
 
     @gluon.jit
-    def _pp_consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
-        k_ready, k_empty, v_ready, v_empty,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, num_tiles, H, num_splits,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, FIRST: gl.constexpr,
-        NVFP4: gl.constexpr = False,
-    ):
-        """One of two consumer warpgroups (CONSUMERS 2) on alternate tiles FIRST, FIRST + 2, ...: each tile's Q.K,
-        online softmax and P.V in turn with its own P buffer and softmax state (the other warpgroup's tile runs
-        beside it: the two overlap instead of one warpgroup overlapping P.V of a tile with Q.K of the next). At the
-        end consumer 1 hands its (m, l, O^T) to consumer 0 through shared memory (V16 slot 0 and ml_s, both idle by
-        then: every tile is consumed) and consumer 0 merges and runs the epilogue.
-
-        merge: mbarrier 0 (consumer 0 has finished its tiles, so the V16 ring is no longer read), 1 (consumer 1's
-        state is in shared memory). Each V16 half and K stage is used by one tile and so by one consumer; their
-        phases advance in tile order as with one consumer."""
-        DH: gl.constexpr = 256
-        s_layout: gl.constexpr = _mma_layout(BH, 32)
-        o_layout: gl.constexpr = _mma_layout(BH, 16)
-        tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_s_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m_i, l_acc, acc0, acc1, s_zero, s16_zero = _consumer_state(BH)
-        if NVFP4:  # as _few_consumer: Q as fp16 even / odd latent dims against the tile's V16 halves
-            q_even_t = q_lat_s.index(0).permute((1, 0))
-            q_odd_t = q_lat_s.index(1).permute((1, 0))
-        else:
-            q_lat_t = q_lat_s.permute((1, 0))
-        q_rope_t = q_rope_s.permute((1, 0))
-        p_t = p_s.permute((1, 0))
-        for it in range(FIRST, num_tiles, 2):
-            stage = it % K_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
-            bias = bias_s.index(stage).load(tok_layout)
-            fence_async_shared()
-            u = 2 * it
-            vs0 = u % V_SLOTS
-            vs1 = (u + 1) % V_SLOTS
-            if NVFP4:
-                _wait_v16(v_ready, u, V_SLOTS)
-                s_lat = warpgroup_mma(v16_s.index(vs0), q_even_t, s16_zero, use_acc=False, is_async=True)
-                s_lat = warpgroup_mma(v16_s.index(vs1), q_odd_t, s_lat, is_async=True)
-                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
-                s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
-                s = s + gl.convert_layout(s_lat, s_layout)
-            else:
-                # fp8 x fp8 without accumulator promotion, as _few_consumer
-                s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            mbarrier.arrive(k_empty.index(stage))
-            p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
-            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
-            fence_async_shared()
-            if not NVFP4:
-                _wait_v16(v_ready, u, V_SLOTS)
-            a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
-            a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
-            mbarrier.arrive(v_empty.index(vs0))
-            mbarrier.arrive(v_empty.index(vs1))
-        l_i = gl.sum(l_acc, axis=0)
-
-        o_s = v16_s.index(0)._reinterpret(gl.float32, [2 * DH, BH], _PLAIN2)  # 32 KB: one V16 half
-        if FIRST == 1:
-            mbarrier.wait(merge.index(0), 0)
-            o_s.slice(0, DH, dim=0).store(acc0)
-            o_s.slice(DH, DH, dim=0).store(acc1)
-            ml_s.slice(0, BH).store(m_i)
-            ml_s.slice(BH, BH).store(l_i)
-            fence_async_shared()
-            mbarrier.arrive(merge.index(1))
-        else:
-            mbarrier.arrive(merge.index(0))
-            mbarrier.wait(merge.index(1), 0)
-            m_o = ml_s.slice(0, BH).load(head_s_layout)
-            l_o = ml_s.slice(BH, BH).load(head_s_layout)
-            m_new = gl.maximum(m_i, m_o)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)  # 0 where this consumer saw no token (m_i = -inf), so no NaN
-            beta = gl.exp2(m_o - m_use)
-            l_i = l_i * alpha + l_o * beta
-            alpha_o = gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 0)
-            beta_o = gl.expand_dims(gl.convert_layout(beta, head_o_layout), 0)
-            acc0 = acc0 * alpha_o + o_s.slice(0, DH, dim=0).load(o_layout) * beta_o
-            acc1 = acc1 * alpha_o + o_s.slice(DH, DH, dim=0).load(o_layout) * beta_o
-            _few_epilogue(acc0, acc1, m_new, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                          row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                          BH, NVFP4)
-
-    @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
         """Online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP: the tile's P,
         the new running max, the per-thread row-sum shares and O^T rescaled."""
@@ -361,17 +256,6 @@ if gd.gl is not None:
         return v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
-    def _alloc_merge(BH: gl.constexpr):
-        """CONSUMERS 2: consumer 1's P buffer, its (m, l) for the merge and the two merge mbarriers (_pp_consumer)."""
-        p1_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _V16_LAYOUT)
-        ml_s = gl.allocate_shared_memory(gl.float32, [2 * BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        merge = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(merge.index(0), count=1)
-        mbarrier.init(merge.index(1), count=1)
-        fence_async_shared()  # the inits before the partitions start, as _alloc_rings' are (Q's fence follows them)
-        return p1_s, ml_s, merge
-
-    @gluon.jit
     def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
         """Heads h0 .. h0 + BH of the query's RoPE part (e4m3 as is; padded heads 0) into q_rope_s."""
         q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -430,7 +314,6 @@ if gd.gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-        CONSUMERS: gl.constexpr,
     ):
         """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
         the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
@@ -455,32 +338,6 @@ if gd.gl is not None:
         _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
-        if CONSUMERS == 2:
-            p1_s, ml_s, merge = _alloc_merge(BH)
-            gl.warp_specialize(
-                [
-                    (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, sc_s, True)),
-                    (_pp_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
-                                    k_ready, k_empty, v_ready, v_empty,
-                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                    row, split, h0, num_tiles, H, num_splits,
-                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                    BH, K_STAGES, V_SLOTS, 0, True)),
-                    (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-                                        _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
-                    (_pp_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p1_s, ml_s, merge,
-                                    k_ready, k_empty, v_ready, v_empty,
-                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                    row, split, h0, num_tiles, H, num_splits,
-                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                    BH, K_STAGES, V_SLOTS, 1, True)),
-                ],
-                [4, 4, 4],
-                _PP_REGS_NVFP4,
-            )
-            return
         gl.warp_specialize(
             [
                 (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
@@ -514,7 +371,6 @@ if gd.gl is not None:
         PRODUCER_REGS: gl.constexpr,
         SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
-        CONSUMERS: gl.constexpr,  # 2: two consumer warpgroups on alternate tiles (_pp_consumer), 16 warps
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
@@ -531,7 +387,7 @@ if gd.gl is not None:
                                row, split, h0, start, end, num_tiles, H, num_splits,
                                stride_q_row, stride_q_head, stride_kv, stride_s_row,
                                stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                               BH, K_STAGES, V_SLOTS, CVT_ROWS, CONSUMERS)
+                               BH, K_STAGES, V_SLOTS, CVT_ROWS)
             return
 
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -554,32 +410,7 @@ if gd.gl is not None:
         fence_async_shared()
 
         # (the consumer's arguments are spelled out in both calls: a tuple variable loses its constexprs)
-        if CONSUMERS == 2:
-            p1_s, ml_s, merge = _alloc_merge(BH)
-            gl.warp_specialize(
-                [
-                    (_pp_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, ml_s, merge,
-                                    k_ready, k_empty, v_ready, v_empty,
-                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                    row, split, h0, num_tiles, H, num_splits,
-                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                    BH, K_STAGES, V_SLOTS, 0)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES)),
-                    (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
-                    (_pp_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p1_s, ml_s, merge,
-                                    k_ready, k_empty, v_ready, v_empty,
-                                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                    row, split, h0, num_tiles, H, num_splits,
-                                    stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                    BH, K_STAGES, V_SLOTS, 1)),
-                ],
-                [4, 4, 4],
-                _PP_REGS,
-            )
-        elif SPLIT_PRODUCER:
+        if SPLIT_PRODUCER:
             # gathers and conversions in warpgroups of their own (registers: the consumer gets 504 - 120 - 128)
             gl.warp_specialize(
                 [
@@ -636,13 +467,8 @@ class FewHeadsParams:
     # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
     # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
     nvfp4: bool = False
-    # 2: two consumer warpgroups on alternate tiles, merged at the end (_pp_consumer; 16 warps; split producer).
-    # Prepared, not GPU-run (NOTES v11)
-    consumers: int = 1
 
     def __post_init__(self) -> None:
-        if self.consumers not in (1, 2) or (self.consumers == 2 and not self.split_producer):
-            raise ValueError(f"consumers must be 1, or 2 with split_producer, got {self.consumers}")
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
             raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
                              "halves while P.V holds the previous tile's)")
@@ -655,12 +481,12 @@ class FewHeadsParams:
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, K ring, V16 ring, P (one a consumer), plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
+        """Q, K ring, V16 ring, P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
         if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
         else:
             q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
-        return (q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + self.consumers * BLOCK_H * BLOCK_N * 2
+        return (q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + BLOCK_H * BLOCK_N * 2
                 + 2048)
 
     def config(self) -> td.Config:
@@ -684,7 +510,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, CONSUMERS=params.consumers)
+                NVFP4=params.nvfp4)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
