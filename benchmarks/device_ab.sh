@@ -27,9 +27,9 @@ for side in B A B2; do
 done
 paste -d'\n' "$W/table_B.txt" "$W/table_A.txt" "$W/table_B2.txt" | grep -v "^$"
 if [ -n "${NCU:-}" ]; then  # shared-memory wavefronts of the few-heads kernel, B then A (e.g. NCU=1)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for side in B A; do
     root=.; [ $side = A ] && root=.carry/base
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     (cd $root && timeout 120 "$ncu" --clock-control none -k regex:few_heads_kernel -s 1 -c 1 \
       --metrics l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,gpu__time_duration.sum,smsp__cycles_elapsed.avg \
       python3 benchmarks/profile_gluon.py --kernel few) > "$W/ncu_$side.txt" 2>&1

@@ -79,12 +79,6 @@ if gd.gl is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, k])
 
     @gluon.jit
-    def _wait_v16(v_ready, u, V_SLOTS: gl.constexpr):
-        """Wait for V16 uses u and u + 1 (a tile's two halves) to be converted."""
-        mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
-        mbarrier.wait(v_ready.index((u + 1) % V_SLOTS), ((u + 1) // V_SLOTS) & 1)
-
-    @gluon.jit
     def _consumer_state(BH: gl.constexpr):
         """A consumer's starting state: the running max, per-thread shares of the row sums (summed down the tokens
         once, after the loop: no reduction a tile), O^T as latent dims 0..255 / 256..511 (or nvfp4's even / odd),
@@ -144,7 +138,8 @@ if gd.gl is not None:
             if NVFP4:
                 # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
                 uc = 2 * it
-                _wait_v16(v_ready, uc, V_SLOTS)
+                mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
+                mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
                 # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the
                 # RoPE part fp8 x fp8 into its own, added after the wait
                 s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
@@ -486,8 +481,7 @@ class FewHeadsParams:
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
         else:
             q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
-        return (q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + BLOCK_H * BLOCK_N * 2
-                + 2048)
+        return q + self.k_stages * stage + self.v_slots * BLOCK_N * LATENT_DIM + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
