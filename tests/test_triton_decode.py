@@ -183,6 +183,38 @@ def test_bad_input_names_argument():
         sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out.float())
 
 
+def test_explicit_splits_are_honoured(monkeypatch):
+    """A one-off call (no workspace) with more splits than choose_splits would pick sizes its scratch for them and
+    runs them all (the combine sees that many), correct against the reference."""
+    q, kv, slots, counts, ss, os_ = _case(3, 16, 256, "fp8", seed=21)
+    cfg = default_config(16, "fp8")
+    asked = choose_splits(3, 16, 256, cfg, triton_decode.num_sms(q.device)) + 2
+    seen = []
+    real = triton_decode.combine
+
+    def spy(ws, out, lse_t, splits, output_scale):
+        seen.append((splits, ws.capacity))
+        real(ws, out, lse_t, splits, output_scale)
+
+    monkeypatch.setattr(triton_decode, "combine", spy)
+    out = torch.full((3, 16, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((3, 16), float("nan"), device=DEVICE)
+    sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                      splits=asked)
+    assert seen == [(asked, 3 * asked * 16)]
+    _check(out, lse, q, kv, slots, counts, "fp8", ss, os_)
+
+
+@pytest.mark.parametrize("splits", [0, -1, 2.0, True])
+def test_bad_splits_name_the_argument(splits):
+    q, kv, slots, counts, ss, os_ = _case(2, 16, 128, "fp8", seed=1)
+    out = torch.full((2, 16, LATENT_DIM), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="splits"):
+        sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out,
+                          splits=splits)
+    assert bool((out == 7.0).all()), "a rejected call wrote into out"
+
+
 def test_split_heuristic_fills_the_chip():
     cfg = default_config(128, "fp8")
     assert choose_splits(320, 128, 2048, cfg, 132) == 1

@@ -640,14 +640,17 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
 
 def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: Config,
                     workspace: Workspace | None, splits: int | None) -> tuple[Workspace, int]:
-    """The workspace and split count of a single call (tests, benchmarks) where the caller gave none: sized for
-    exactly this call, split as choose_splits picks. Not for the hot path (it allocates)."""
+    """The workspace and split count of a single call (tests, benchmarks): `splits` as given, else as choose_splits
+    picks; with no workspace, one sized for exactly this call and split count (one launch, every row split alike).
+    Not for the hot path (it allocates). A given workspace too small for `splits` lowers them (scratch)."""
     rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
-    if workspace is None:  # one launch, every row split alike: choose_splits' plan, not a tail-split one
-        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
-                                   config=dataclasses.replace(config, tail_split=False))
     if splits is None:
         splits = choose_splits(rows, heads, width, config, num_sms(query.device))
+    elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1 (or None: choose_splits), got {splits!r}")
+    if workspace is None:
+        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
+                                   config=config, plans={(rows, width): (0, splits)})
     return workspace, splits
 
 
