@@ -80,7 +80,8 @@ def analyze(kernel) -> dict[str, object]:
         sass = subprocess.run([str(_BIN / "cuobjdump"), "--dump-sass", cubin], capture_output=True, text=True).stdout
         res = subprocess.run([str(_BIN / "cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
                              text=True).stdout
-        # ptxas -v on the same PTX: spill bytes and the wgmma serialization note (C7514) Triton does not show
+        # ptxas -v on the same PTX: spill bytes and the wgmma serialization notes (C7514, C7515: every wgmma then
+        # waits for the one before) Triton does not show
         pv = subprocess.run([str(_BIN / "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "x.cubin")],
                             capture_output=True, text=True)
         ptxas = pv.stdout + pv.stderr
@@ -117,7 +118,7 @@ def analyze(kernel) -> dict[str, object]:
         "setmaxnreg": setmaxnreg,
         "spill_stores": int(spill.group(1)) if spill else None,
         "spill_loads": int(spill.group(2)) if spill else None,
-        "wgmma_serialized": "C7514" in ptxas,
+        "wgmma_serialized": bool(re.search(r"C751[0-9]", ptxas)),
         "loops": loops,
         "sass": sass,
     }
