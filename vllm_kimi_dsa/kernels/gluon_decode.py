@@ -76,8 +76,9 @@ DEFAULT_PRODUCER_REGS = 56
 # for sm_90a (benchmarks/gluon_report.py); others may have moved the API (warp_specialize's signature did in 3.6).
 SUPPORTED_TRITON = ("3.6", "3.8")
 # Versions on which the kernel has passed its GPU tests on the H200: 3.6 (its image's) and 3.8 (vLLM 0.33's, carried
-# there by benchmarks/device_triton38.sh; results/h200-2026-12-03/triton38). TritonDecode picks the kernel by itself
-# only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON version.
+# there by benchmarks/device_triton38.sh; results/h200-2026-12-03/triton38, the current kernel in triton38-v2).
+# TritonDecode picks the kernel by itself only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON
+# version.
 VERIFIED_TRITON = ("3.6", "3.8")
 
 try:  # Gluon is experimental: absent from old Triton, its API moves between releases

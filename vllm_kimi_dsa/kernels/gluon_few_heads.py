@@ -21,7 +21,7 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
 
 Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
-`tl` kernel at 320 rows, H = 12, yet 1.25x slower than this kernel's fp8 path, NOTES v12): the gatherer moves each
+`tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
 of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
 fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
@@ -56,7 +56,7 @@ SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py), by (cache format, more than
 # one 16-head block): TritonDecode picks it by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any
 # gluon_decode.SUPPORTED_TRITON version). Every shape passed on the H200 with 3.6 and with 3.8 (results/h200-2026-12-03/
-# few-heads-v6, triton38).
+# few-heads-v6, triton38; the current kernels again in suite-v13 and triton38-v2).
 VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
     ("fp8", False): ("3.6", "3.8"), ("fp8", True): ("3.6", "3.8"), ("nvfp4_ds_mla", False): ("3.6", "3.8"),
     ("nvfp4_ds_mla", True): ("3.6", "3.8")}
