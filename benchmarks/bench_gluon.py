@@ -47,9 +47,7 @@ OSCALE = 0.125
 # "tail_split" is not a kernel parameter: the batch runs choose_plan's tail-split plan (whole waves unsplit, the rest
 # split) through the same kernel.
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-tail": {"tail_split": True}, "gluon-v2": {"v_slots": 2},
-                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
-                                   "gluon-no-qk-split": {"qk_split": False},
-                                   "gluon-no-qk-split-lazy": {"qk_split": False, "lazy": True}}
+                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
 
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:

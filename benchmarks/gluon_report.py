@@ -37,7 +37,7 @@ SIGNATURE = dict(
 )
 # GluonParams overrides: the default, then one field changed at a time
 FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}]
-CONFIGS = [{}, {"pv_first": False}, {"v_slots": 2}, {"lazy": True}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
+CONFIGS = [{}, {"v_slots": 2}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
             "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")
 
@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--kernel", choices=("gluon", "few"), default="gluon",
                    help="gluon_decode_kernel (64 heads a CTA) or gluon_few_heads.few_heads_kernel (<= 16 heads)")
     p.add_argument("--config", action="append", default=[],
-                   help="GluonParams / FewHeadsParams overrides as field=value,... e.g. lazy=1,cvt_rows=16 "
+                   help="GluonParams / FewHeadsParams overrides as field=value,... e.g. v_slots=2,cvt_rows=16 "
                         "(repeatable; default: a list)")
     a = p.parse_args()
     what = ("few_heads_kernel (consumer WG0, gatherer WG1, converter WG2)" if a.kernel == "few"

@@ -3,9 +3,8 @@
 Hopper only (wgmma): every test but the check that each case is a valid GluonParams skips, with the reason, where
 gluon_available() is False (CPU CI, other GPUs, Triton versions the kernel is not written for). Cases: fresh random fp8 rows, -1 holes, junk past counts, a count-0
 row and an all-holes row, odd row counts, 64 / 96 / 128 heads, widths 128 / 1024 / 2048, one split and several
-(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 2-4 half tiles, with and without LAZY, PINGPONG and
-PV_FIRST (GluonParams' defaults: pingpong + pv_first), conversion steps of 8 / 16 / 32 rows, and a CUDA-graph capture /
-replay.
+(the combine), BLOCK_N 64 and 32, K rings of 2-4, V16 rings of 2-4 half tiles, conversion steps of 8 / 16 / 32
+rows, and a CUDA-graph capture / replay.
 """
 
 from __future__ import annotations
@@ -46,17 +45,11 @@ class Case:
     block_n: int = 64
     k_stages: int = 2
     v_slots: int = 3
-    lazy: bool = False
-    pingpong: bool = False
-    pv_first: bool = True
-    qk_split: bool = False
     cvt_rows: int = 32
 
     def params(self) -> GluonParams:
         """The kernel's compile-time shape for this case (raises ValueError for one it cannot take)."""
-        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, lazy=self.lazy,
-                           pingpong=self.pingpong, pv_first=self.pv_first, qk_split=self.qk_split,
-                           cvt_rows=self.cvt_rows)
+        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows)
 
 
 CASES = [
@@ -65,40 +58,29 @@ CASES = [
     Case(5, 128, 2048, splits=3),
     Case(7, 96, 1024),
     Case(7, 96, 1024, splits=1),
+    Case(7, 64, 128, splits=1),
+    Case(19, 128, 2048, splits=2),
     Case(33, 64, 128),
     Case(33, 128, 1024, splits=1),
     Case(320, 128, 2048),
     Case(320, 128, 2048, splits=1),
+    # K and V16 rings, 32-token tiles
+    Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2),
+    Case(7, 128, 2048, splits=1, v_slots=2),
+    Case(33, 96, 1024, splits=1, v_slots=2),
+    Case(320, 128, 2048, v_slots=2),
     Case(5, 128, 2048, splits=1, block_n=32, k_stages=4),
     Case(7, 96, 1024, splits=2, block_n=32, k_stages=4),
-    Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2),
-    Case(7, 128, 2048, splits=1, lazy=True),
-    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True),
+    Case(5, 128, 2048, splits=1, block_n=32, k_stages=4, v_slots=4),
+    Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_slots=4),
     Case(33, 96, 1024, splits=1, block_n=32, k_stages=3, v_slots=4),
-    Case(19, 128, 2048, splits=2, block_n=32, k_stages=4, v_slots=4, lazy=True),
-    Case(320, 128, 2048, block_n=32, k_stages=4, v_slots=4, lazy=True),
-    Case(5, 128, 2048, splits=1, pingpong=True),
-    Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2, lazy=True, pingpong=True),
-    Case(19, 128, 2048, splits=2, lazy=True, pingpong=True),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True, pingpong=True),
-    Case(320, 128, 2048, lazy=True, pingpong=True),
+    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4),
+    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=3),
+    Case(320, 128, 2048, block_n=32, k_stages=4, v_slots=4),
+    # conversion steps
     Case(7, 96, 1024, splits=1, cvt_rows=8),
-    Case(7, 128, 2048, splits=1, pingpong=True, v_slots=2),
-    Case(320, 128, 2048, pingpong=True, v_slots=2),
-    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=3, pingpong=True),
-    # qk_split, the kernel's default (Case keeps the other consumers as its default so both stay covered)
-    Case(1, 128, 2048, splits=1, qk_split=True),
-    Case(5, 128, 2048, splits=1, qk_split=True),
-    Case(7, 64, 128, splits=1, qk_split=True),
-    Case(19, 128, 2048, splits=2, qk_split=True),
-    Case(33, 96, 1024, splits=1, v_slots=2, qk_split=True),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, qk_split=True),
-    Case(320, 128, 2048, qk_split=True),
-    Case(5, 128, 2048, splits=1, pingpong=True, pv_first=False),
-    Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, pv_first=False),
-    Case(33, 96, 1024, splits=1, block_n=32, k_stages=4, v_slots=4, pv_first=False),
-    Case(19, 128, 2048, splits=2, lazy=True, pingpong=True, cvt_rows=16),
-    Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_slots=4, lazy=True, pingpong=True, cvt_rows=16),
+    Case(19, 128, 2048, splits=2, cvt_rows=16),
+    Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_slots=4, cvt_rows=16),
 ]
 
 
@@ -140,7 +122,7 @@ def _poisoned(rows: int, heads: int):
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-lz{int(c.lazy)}-pp{int(c.pingpong)}-pvf{int(c.pv_first)}-qks{int(c.qk_split)}-cvt{c.cvt_rows}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)

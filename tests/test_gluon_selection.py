@@ -45,13 +45,10 @@ def test_gluon_params_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="cvt_rows"):
         GluonParams(block_n=32, cvt_rows=64)
     GluonParams(consumer_regs=232, producer_regs=40)
-    assert GluonParams().qk_split  # the default: 36 + 72 + 96 + 16 KB (the P halves) fits
-    GluonParams(block_n=32, k_stages=5, v_slots=6, qk_split=False)  # 222 + 2 KB
+    GluonParams()  # 36 + 72 + 96 + 16 KB (the P halves) + 2 KB fits
+    GluonParams(block_n=32, k_stages=5, v_slots=5)  # 36 + 90 + 80 + 8 + 2 KB
     with pytest.raises(ValueError, match="shared memory"):
-        GluonParams(block_n=32, k_stages=5, v_slots=6, qk_split=True)  # + 8 KB of P halves
-    with pytest.raises(ValueError, match="lazy"):
-        GluonParams(lazy=True)  # qk_split is the default
-    GluonParams(lazy=True, qk_split=False)
+        GluonParams(block_n=32, k_stages=5, v_slots=6)  # + 16 KB
     with pytest.raises(ValueError, match="producer_regs"):
         GluonParams(consumer_regs=232, producer_regs=60)
     with pytest.raises(ValueError, match="producer_regs"):

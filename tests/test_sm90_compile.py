@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import triton
 
 from vllm_kimi_dsa.kernels import gluon_decode
 
@@ -54,22 +53,16 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 """
 
 
-# The redundant-Q.K consumer (qk_split=False, not the default: 3-4% slower on the H200, NOTES v7) runs out of
-# registers on Triton 3.8 and ptxas serializes its wgmmas there (C7512); 3.6 compiles it without
-_NO_QK_SPLIT_38 = pytest.mark.xfail(triton.__version__.startswith("3.8"), strict=True,
-                                    reason="qk_split=False: ptxas C7512 (registers) on Triton 3.8")
-
-
 @pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
                     reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("overrides", [{}, pytest.param({"qk_split": False}, marks=_NO_QK_SPLIT_38), {"kernel": "few"},
+@pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4}, {"kernel": "few"},
                                        {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
                                        {"kernel": "few", "heads": 32}],
-                         ids=["default", "no_qk_split", "few_heads", "few_heads_one_producer",
+                         ids=["default", "block_n_32", "few_heads", "few_heads_one_producer",
                               "few_heads_nvfp4", "few_heads_32"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
-    """The 64-head kernel's default (qk_split) and redundant-Q.K consumers; the few-heads kernel with two producer
+    """The 64-head kernel (64- and 32-token tiles); the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
     helpers that Gluon calls (gl.max, ...) are interpreted functions once the tests set TRITON_INTERPRET, and
     Gluon cannot compile those."""

@@ -15,21 +15,18 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
   converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring, a half (BLOCK_N x
   256 fp16, one consumer's columns) at a time: tile i's half h is use u = 2 i + h of slot u % V_SLOTS (3 slots: the
   producer converts a half ahead of the consumers' P.V), fences for the async proxy and arrives on v_ready[slot].
-- WG0 (default partition) and WG1 (worker), the consumers (224 registers each): both compute the full logits
-  S = Q K^T (64 x BLOCK_N; fp8 wgmma from shared memory, K = 512 + 64, no accumulator promotion, as the default
-  Triton config) -- redundant, but no S exchange; each owns half of O: acc (64 x 256 fp32) += P . V16[:, half]
-  with P fp16 in registers as the wgmma A operand. Iteration `it` issues P.V of tile it - 1 and Q.K of tile it back
-  to back (PV_FIRST; the reverse order otherwise), retires P.V first (its V16 slot goes back to the producer), then
-  Q.K, then does the softmax of tile it (base 2, as `_softmax`; LAZY keeps a stale max until it grows by > 2**8). PINGPONG makes the two consumers take turns issuing (an mbarrier pair), so one's wgmmas run
-  while the other does its softmax.
-- QK_SPLIT (GluonParams.qk_split, the default since gluon-v8: 3-4% faster than the redundant Q.K): each consumer
-  computes S for its BLOCK_N / 2 tokens only, the two exchange row maxima (x_s, x_ready) and P halves (p_s,
-  p_ready) through shared memory, and each P.V reads all of P from shared memory: half the Q.K tensor work and
-  Q/K shared-memory reads, half the softmax; the consumers move in step (no PINGPONG).
+- WG0 (default partition) and WG1 (worker), the consumers (224 registers each; `_consumer`): each computes the
+  logits S = Q K^T for its BLOCK_N / 2 tokens of a tile (fp8 wgmma from shared memory, K = 512 + 64, no accumulator
+  promotion, as the default Triton config), the two exchange row maxima (x_s, x_ready) and P halves (p_s, p_ready)
+  through shared memory, and each owns half of O: acc (64 x 256 fp32) += P . V16[:, half] over all BLOCK_N tokens.
+  Iteration `it` issues P.V of tile it - 1 and Q.K of tile it back to back, retires P.V first (its V16 slot goes
+  back to the producer), then Q.K, then does the softmax of tile it (base 2, as `_softmax`). (Both consumers
+  computing all of S, with no exchange, measured 3-4% slower on the H200 -- gluon-v8 -- and ran out of registers on
+  Triton 3.8: removed, NOTES v13.)
 - mbarriers: k_ready[s] (count 129: producer threads via cp.async + one arrive publishing the stage's 0 / -inf
   token bias, which the consumers add to S instead of loading the slots), k_empty[s] (3: both consumers after their Q.K,
   the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
-  that use, after its P.V), turn[2] (1: the other consumer).
+  that use, after its P.V), x_ready[2] (1: that consumer), p_ready[2] (2: both consumers).
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
 
 The producer is built from helpers (`_load_slots`, `_gather_tile`, `_convert_tile`) that gluon_few_heads.py's
@@ -55,12 +52,6 @@ BLOCK_H = 64  # heads a CTA (the wgmma M of one warpgroup)
 DEFAULT_BLOCK_N = 64
 DEFAULT_K_STAGES = 2
 DEFAULT_V_SLOTS = 3
-DEFAULT_LAZY = False  # lazy's any-head check is a cross-warp reduction a tile: 468 vs 412 µs (NOTES v6)
-DEFAULT_PINGPONG = True
-DEFAULT_PV_FIRST = True
-# each consumer Q.K on its half of a tile's tokens: 384.8 vs 398.2 µs at 320 rows, 140.4 vs 146.2 at 80 (H=128,
-# one run on the H200, results/h200-2026-12-03/gluon-v8; its 7 GPU test cases passed first)
-DEFAULT_QK_SPLIT = True
 # A split CTA's 64 x 512 fp32 partial is 128 KB written and read back by the combine: at the H200's bandwidth
 # share of an SM about 3.8 tiles of this kernel (~2.6 µs a 64-token tile). Fitted to bench_gluon --splits on
 # the H200 (results/h200-2026-12-03/gluon-v7/splits_probe.json): at 80 rows 2-3 splits take 146 µs, the 4 picked
@@ -158,107 +149,6 @@ if gl is not None:
 
     @gluon.jit
     def _consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s,
-        k_ready, k_empty, v_ready, v_empty, turn,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, hb, num_tiles, H, num_splits,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
-        HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
-        LAZY: gl.constexpr, PINGPONG: gl.constexpr, PV_FIRST: gl.constexpr,
-    ):
-        """One consumer warpgroup: S = Q K^T, online softmax, acc += P V16[:, HALF*256 : HALF*256+256]; epilogue."""
-        DH: gl.constexpr = 256  # output columns a consumer
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        tok_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        m_i = gl.full([_BH], float("-inf"), gl.float32, head_s_layout)
-        l_i = gl.full([_BH], 0.0, gl.float32, head_s_layout)
-        acc = gl.zeros([_BH, DH], gl.float32, o_layout)
-        s_zero = gl.zeros([_BH, BLOCK_N], gl.float32, s_layout)
-        p16 = gl.zeros([_BH, BLOCK_N], gl.float16, p_layout)  # P of the previous tile (its P.V is still to do)
-
-        # Software pipeline: iteration `it` issues Q.K of tile it and P.V of tile it - 1 back to back (the tensor
-        # core runs them without a gap while this warpgroup waits), then does tile it's softmax on the CUDA cores
-        # (while the other consumer's wgmmas run). Every wgmma is retired inside its iteration: ptxas serializes
-        # all wgmmas if an accumulator stays in flight across the loop's back edge.
-        for it in range(num_tiles):
-            stage = it % K_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
-            # the producer's 0 / -inf a token (holes, past the split); read before k_empty frees the stage
-            bias = bias_s.index(stage).load(tok_layout)
-            # cp.async wrote the stage through the generic proxy; wgmma reads through the async proxy
-            fence_async_shared()
-            # fp8 x fp8 with no accumulator promotion (max_num_imprecise_acc None -> sm_90's 2**30 default), as the
-            # default Triton config (imprecise=0): the tests' wgmma_logit_bound covers it
-            if PINGPONG:
-                # take turns issuing (WG0's tile it, WG1's tile it, WG0's tile it + 1, ...): the tensor core then
-                # runs one consumer's wgmmas while the other does its softmax, instead of both at once
-                mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
-            # tile it - 1's half HALF is V16 use u = 2 (it - 1) + HALF, in slot u % V_SLOTS (a valid index at it = 0)
-            u = 2 * (it - 1) + HALF
-            vslot = (u + 2 * V_SLOTS) % V_SLOTS
-            acc_t = warpgroup_mma_init(acc)
-            if PV_FIRST:
-                # P.V of tile it - 1 first, retired before Q.K of tile it: its V16 half goes back to the producer
-                # one Q.K earlier (with one V16 stage the producer waited on it: ncu, NOTES v6)
-                if it > 0:
-                    mbarrier.wait(v_ready.index(vslot), (u // V_SLOTS) & 1)
-                    acc_t = warpgroup_mma(p16, v16_s.index(vslot), acc, is_async=True)
-                s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - HALF))
-                acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
-                mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                mbarrier.arrive(k_empty.index(stage))
-            else:
-                s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
-                if it > 0:
-                    mbarrier.wait(v_ready.index(vslot), (u // V_SLOTS) & 1)
-                    acc_t = warpgroup_mma(p16, v16_s.index(vslot), acc, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - HALF))
-                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc_t))
-                mbarrier.arrive(k_empty.index(stage))
-                mbarrier.arrive(v_empty.index(vslot), pred=it > 0)
-
-            # online softmax in base 2, as triton_decode._softmax
-            s = s * qk_scale + gl.expand_dims(bias, 0)
-            m_tile = gl.max(s, axis=1)
-            if LAZY:
-                # keep a stale max until some head's grows by > 2**8 (P <= 256 stays exact enough in fp16): the
-                # 64 x 256 accumulator (128 FMUL a thread) is rescaled on a few tiles, not on every one
-                grow = gl.max((m_tile > m_i + 8.0).to(gl.int32), axis=0)
-                if grow > 0:
-                    m_new = gl.maximum(m_i, m_tile)
-                    alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, head_o_layout), 1)
-                    l_i = l_i * alpha
-                    m_i = m_new
-                p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
-                l_i = l_i + gl.sum(p, axis=1)
-            else:
-                p, m_i, l_i, acc = _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout)
-            # P rounds to fp16 as in the Triton kernel; as the wgmma's register A operand it needs no shared memory
-            p16 = gl.convert_layout(p.to(gl.float16), p_layout)
-        if num_tiles > 0:
-            u = 2 * (num_tiles - 1) + HALF
-            mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
-            acc = warpgroup_mma(p16, v16_s.index(u % V_SLOTS), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-        _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
-                      stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
-
-    @gluon.jit
-    def _consumer_split(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
         k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -267,11 +157,11 @@ if gl is not None:
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
     ):
-        """QK_SPLIT consumer: S = Q K^T for this warpgroup's BLOCK_N / 2 tokens only (no redundant Q.K); the row
+        """A consumer warpgroup: S = Q K^T for this warpgroup's BLOCK_N / 2 tokens only (no redundant Q.K); the row
         maxima go through x_s (x_ready: count 1, the other consumer waits) so both scale by the same max, and the
         P halves through p_s (p_ready: count 2), so each consumer's acc (64 x 256) += P V16[:, HALF*256 ...] sees
         all BLOCK_N tokens. l_i is this consumer's tokens' share until the end, where the two shares are summed.
-        P.V of tile it - 1 is issued and retired first, as PV_FIRST. Same V16, K ring, bias and epilogue."""
+        P.V of tile it - 1 is issued and retired before Q.K of tile it."""
         DH: gl.constexpr = 256
         NH: gl.constexpr = BLOCK_N // 2  # tokens a consumer
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
@@ -577,10 +467,6 @@ if gl is not None:
         BLOCK_N: gl.constexpr,  # KV rows a tile
         K_STAGES: gl.constexpr,  # K ring depth
         V_SLOTS: gl.constexpr,  # fp16 V16 ring of half tiles (BLOCK_N x 256): tile i's half h is use 2 i + h
-        LAZY: gl.constexpr,  # rescale the accumulators only when a running max grows by > 2**8
-        PINGPONG: gl.constexpr,  # the two consumers take turns issuing their wgmmas
-        PV_FIRST: gl.constexpr,  # issue and retire P.V of tile i - 1 before Q.K of tile i
-        QK_SPLIT: gl.constexpr,  # each consumer Q.K on its half of the tokens, maxima and P exchanged (_consumer_split)
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
@@ -605,7 +491,6 @@ if gl is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(K_STAGES):
             # cp.async.mbarrier.arrive.noinc from each producer thread + the producer's arrive after the bias store
             mbarrier.init(k_ready.index(i), count=129)
@@ -613,18 +498,15 @@ if gl is not None:
         for i in gl.static_range(V_SLOTS):
             mbarrier.init(v_ready.index(i), count=1)  # the producer
             mbarrier.init(v_empty.index(i), count=1)  # that half's consumer
+        # P halves (buffer by tile parity, half by consumer) as wgmma A operands; row maxima / sums exchanged
+        p_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16, rank=2)
+        p_s = gl.allocate_shared_memory(gl.float16, [4, _BH, BLOCK_N // 2], p_layout_s)
+        x_s = gl.allocate_shared_memory(gl.float32, [4, _BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)  # the other consumer, after issuing its wgmmas
-        if QK_SPLIT:
-            # P halves (buffer by tile parity, half by consumer) as wgmma A operands; row maxima / sums exchanged
-            p_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16, rank=2)
-            p_s = gl.allocate_shared_memory(gl.float16, [4, _BH, BLOCK_N // 2], p_layout_s)
-            x_s = gl.allocate_shared_memory(gl.float32, [4, _BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(x_ready.index(i), count=1)  # consumer i, after storing its maxima (or row sums)
-                mbarrier.init(p_ready.index(i), count=2)  # both consumers, after storing their P halves
+            mbarrier.init(x_ready.index(i), count=1)  # consumer i, after storing its maxima (or row sums)
+            mbarrier.init(p_ready.index(i), count=2)  # both consumers, after storing their P halves
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
@@ -641,48 +523,27 @@ if gl is not None:
         q_rope_s.store(q_rope)
         fence_async_shared()
 
-        if QK_SPLIT:
-            gl.warp_specialize(
-                [
-                    (_consumer_split, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
-                                       k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
-                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                       row, split, hb, num_tiles, H, num_splits,
-                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                       0, BLOCK_N, K_STAGES, V_SLOTS)),
-                    (_consumer_split, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
-                                       k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
-                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                       row, split, hb, num_tiles, H, num_splits,
-                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                       1, BLOCK_N, K_STAGES, V_SLOTS)),
-                    (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
-                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
-                ],
-                [4, 4],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
-                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
-                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 0, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty, turn,
-                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
-                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 1, BLOCK_N, K_STAGES, V_SLOTS, LAZY, PINGPONG, PV_FIRST)),
-                    (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
-                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                 BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
-                ],
-                [4, 4],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )
+        gl.warp_specialize(
+            [
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
+                             k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             0, BLOCK_N, K_STAGES, V_SLOTS)),
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
+                             k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             1, BLOCK_N, K_STAGES, V_SLOTS)),
+                (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
+                             kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                             BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -695,12 +556,6 @@ class GluonParams:
     block_n: int = DEFAULT_BLOCK_N  # tokens a tile: 64 or 32
     k_stages: int = DEFAULT_K_STAGES  # K ring depth
     v_slots: int = DEFAULT_V_SLOTS  # fp16 V16 ring of half tiles (2: one tile; 3: the producer converts a half ahead)
-    lazy: bool = DEFAULT_LAZY  # rescale only when a running max grows by > 2**8
-    pingpong: bool = DEFAULT_PINGPONG  # the two consumers take turns issuing their wgmmas
-    pv_first: bool = DEFAULT_PV_FIRST  # P.V of tile i - 1 issued and retired before Q.K of tile i
-    # each consumer Q.K on half the tokens, maxima and P exchanged through shared memory; the consumers then move
-    # in step, so pingpong and pv_first do not apply (P.V always goes first); lazy needs it off
-    qk_split: bool = DEFAULT_QK_SPLIT
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
@@ -710,14 +565,12 @@ class GluonParams:
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
-        if self.qk_split and self.lazy:
-            raise ValueError("qk_split has no lazy rescale: lazy must be False with it")
         regs = (self.consumer_regs, self.producer_regs)
         if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
             raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
                              f"504 - both >= consumer_regs, got {regs}")
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
-        smem += 2 * BLOCK_H * self.block_n * 2 if self.qk_split else 0  # the P halves, two tiles
+        smem += 2 * BLOCK_H * self.block_n * 2  # the P halves, two tiles
         smem += 2048  # the token bias, the row-max exchange, mbarriers and Triton's warp-specialize state
         if self.k_stages < 2 or self.v_slots < 2 or smem > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
@@ -739,8 +592,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
-    return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, LAZY=params.lazy,
-                PINGPONG=params.pingpong, PV_FIRST=params.pv_first, QK_SPLIT=params.qk_split, CVT_ROWS=params.cvt_rows,
+    return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
                 CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
@@ -786,10 +638,6 @@ def gluon_sparse_mla_decode(
     block_n: int = DEFAULT_BLOCK_N,
     k_stages: int = DEFAULT_K_STAGES,
     v_slots: int = DEFAULT_V_SLOTS,
-    lazy: bool = DEFAULT_LAZY,
-    pingpong: bool = DEFAULT_PINGPONG,
-    pv_first: bool = DEFAULT_PV_FIRST,
-    qk_split: bool = DEFAULT_QK_SPLIT,
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
@@ -813,8 +661,8 @@ def gluon_sparse_mla_decode(
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
-    params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, lazy=lazy, pingpong=pingpong,
-                         pv_first=pv_first, qk_split=qk_split, cvt_rows=cvt_rows, consumer_regs=consumer_regs,
+    params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
+                         consumer_regs=consumer_regs,
                          producer_regs=producer_regs)
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
