@@ -6,7 +6,7 @@ loads and many CTAs an SM. The few-heads kernel (one CTA an SM, gluon_decode._ga
 K_STAGES x 36 KB) reaches ~0.67 (NOTES v12). This kernel runs the very same `_gatherer` (and, in "convert" mode,
 `_converter` into the V16 ring) against a default partition that only waits for each tile and frees it at once:
 
-- mode "gather": the ring alone, K_STAGES 2..6 (fp8, 36 KB a stage) or 2..9 (nvfp4_ds_mla, 22.5 KB a stage);
+- mode "gather": the ring alone, K_STAGES 2..6 (fp8, 36 KB a stage) or 3..9 (nvfp4_ds_mla, 22.5 KB a stage);
 - mode "convert": gathers + the e4m3 -> fp16 conversion (K ring 4, V16 2 halves, the few-heads default);
 - "few": the real few-heads kernel (H = 16) on the same batch, in the same run.
 
