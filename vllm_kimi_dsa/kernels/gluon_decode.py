@@ -662,8 +662,7 @@ def gluon_sparse_mla_decode(
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
-                         consumer_regs=consumer_regs,
-                         producer_regs=producer_regs)
+                         consumer_regs=consumer_regs, producer_regs=producer_regs)
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None

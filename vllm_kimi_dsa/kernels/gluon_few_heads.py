@@ -79,21 +79,6 @@ if gd.gl is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, k])
 
     @gluon.jit
-    def _consumer_state(BH: gl.constexpr):
-        """A consumer's starting state: the running max, per-thread shares of the row sums (summed down the tokens
-        once, after the loop: no reduction a tile), O^T as latent dims 0..255 / 256..511 (or nvfp4's even / odd),
-        and the zero accumulators of S^T on fp8 and on fp16 operands."""
-        s_layout: gl.constexpr = _mma_layout(BH, 32)
-        o_layout: gl.constexpr = _mma_layout(BH, 16)
-        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc0 = gl.zeros([256, BH], gl.float32, o_layout)
-        acc1 = gl.zeros([256, BH], gl.float32, o_layout)
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
-        s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)
-        return m_i, l_acc, acc0, acc1, s_zero, s16_zero
-
-    @gluon.jit
     def _few_consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
         k_ready, k_empty, v_ready, v_empty,
@@ -109,10 +94,17 @@ if gd.gl is not None:
         q_lat_s = (Q even dims, Q odd dims) in fp16, so tile it's Q.K also waits for its V16 halves; the RoPE part
         stays fp8 x fp8 from the K stage. acc0 / acc1 are then the even / odd dims of O^T."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, _mma_layout(BH, 16))
-        m_i, l_acc, acc0, acc1, s_zero, s16_zero = _consumer_state(BH)
+        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        # per-thread shares of the row sums (summed down the tokens once, after the loop: no reduction a tile)
+        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
+        acc0 = gl.zeros([256, BH], gl.float32, o_layout)  # O^T, latent dims 0..255 (nvfp4: the even dims)
+        acc1 = gl.zeros([256, BH], gl.float32, o_layout)  # 256..511 (nvfp4: the odd dims)
+        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
         if NVFP4:
+            s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)  # the fp16 latent logits' accumulator
             q_even_t = q_lat_s.index(0).permute((1, 0))
             q_odd_t = q_lat_s.index(1).permute((1, 0))
         else:
