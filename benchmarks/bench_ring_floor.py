@@ -33,12 +33,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from vllm_kimi_dsa.formats import LATENT_DIM, NVFP4_ROW_BYTES, quantize_rows, row_bytes  # noqa: E402
+from vllm_kimi_dsa.formats import quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_decode as gd  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as gfh  # noqa: E402
 
-K = 2048
-CACHE_ROWS = 1 << 20
 BLOCK_N = gfh.BLOCK_N
 
 if gd.gl is not None:
@@ -149,14 +147,19 @@ def variants() -> list[dict]:
     return out
 
 
+def ring_constexprs(v: dict) -> dict[str, Any]:
+    """ring_kernel's compile-time arguments for variant `v` (its launch's and compile_variant's)."""
+    return dict(K_STAGES=v["k_stages"], V_SLOTS=max(v["v_slots"], 1), CONVERT=v["mode"] == "convert",
+                NVFP4=v["fmt"] != "fp8")
+
+
 def compile_variant(v: dict) -> Any:
     """ring_kernel of variant `v` compiled for sm_90a on any machine (no GPU): the launch's signature, with the
     16-divisibility the JIT sees from torch allocations."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = dict(K_STAGES=v["k_stages"], V_SLOTS=max(v["v_slots"], 1), CONVERT=v["mode"] == "convert",
-                  NVFP4=v["fmt"] != "fp8")
+    consts = ring_constexprs(v)
     sig = dict(kv_ptr="*u8" if consts["NVFP4"] else "*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32",
                out_ptr="*fp32", K="i32", num_splits="i32", stride_kv="i32", stride_s_row="i32")
     sig.update({k: "constexpr" for k in consts})
@@ -168,25 +171,22 @@ def compile_variant(v: dict) -> Any:
 
 
 def main() -> None:
-    if "--compile-only" in sys.argv:
-        for v in variants():
-            if v["mode"] != "few":
-                k = compile_variant(v)
-                print(f"RESULT {v['name']} shared {k.metadata.shared}")
-        return
-    from bench_gluon import OSCALE, SSCALE
-    from bench_suite import ceilings
-
-    from vllm_kimi_dsa.kernels import triton_decode as td
-    from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets
-
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="264,320")
     p.add_argument("--splits", type=int, default=1)
     p.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    p.add_argument("--compile-only", action="store_true", help="compile each ring variant for sm_90a (no GPU)")
     a = p.parse_args()
     chosen = [v for v in variants() if not a.only or v["name"] in a.only.split(",")]
+    if a.compile_only:
+        for v in chosen:
+            if v["mode"] != "few":
+                print(f"RESULT {v['name']} shared {compile_variant(v).metadata.shared}")
+        return
+    from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated
+    from bench_suite import ceilings
+
     dev = torch.device("cuda")
     ceil = ceilings(dev, quick=True)
     copy = ceil["copy_GBps"]
@@ -196,42 +196,32 @@ def main() -> None:
     caches = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
     del x
     res = []
+    splits = a.splits
     for rows in (int(r) for r in a.rows.split(",")):
-        splits = a.splits
         for v in chosen:
             kv = caches[v["fmt"]]
             rb = row_bytes(v["fmt"])
-            sets = rotation_sets(rows * K * rb, lo=1, hi=24)
-            ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32)
-                  for _ in range(sets)]
-            cs = torch.full((rows,), K, device=dev, dtype=torch.int32)
             if v["mode"] == "few":
-                params = (gfh.nvfp4_params() if v["fmt"] != "fp8" else gfh.FewHeadsParams())
-                q = (torch.randn(rows, 16, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
-                out = torch.empty((rows, 16, LATENT_DIM), dtype=torch.bfloat16, device=dev)
-                need = rows * splits * 16
-                ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev),
-                                  part_lse=torch.empty(need, device=dev), dummy_lse=torch.empty(rows * 16, device=dev),
-                                  capacity=need, max_rows=rows, heads=16)
-                calls = [lambda s=s: gfh.few_heads_sparse_mla_decode(
-                    q, kv, s, cs, softmax_scale=SSCALE, output_scale=OSCALE, out=out, workspace=ws, splits=splits,
-                    params=params) for s in ss]
-            else:
+                params = gfh.nvfp4_params() if v["fmt"] != "fp8" else gfh.FewHeadsParams()
+
+                def make_call(q, s, c, o, lse, ws, kv=kv, params=params):
+                    return lambda: gfh.few_heads_sparse_mla_decode(
+                        q, kv, s, c, softmax_scale=SSCALE, output_scale=OSCALE, out=o, lse=lse, workspace=ws,
+                        splits=splits, params=params)
+            else:  # the same rotated slots; the queries and outputs time_rotated makes go unused
                 sink = torch.empty(rows * splits * BLOCK_N, device=dev)
-                consts = dict(K_STAGES=v["k_stages"], V_SLOTS=max(v["v_slots"], 1), CONVERT=v["mode"] == "convert",
-                              NVFP4=v["fmt"] != "fp8")
-                calls = [lambda s=s: ring_kernel[(1, splits, rows)](kv, s, cs, sink, K, splits, kv.stride(0),
-                                                                     s.stride(0), **consts, num_warps=4)
-                         for s in ss]
+
+                def make_call(q, s, c, o, lse, ws, kv=kv, sink=sink, consts=ring_constexprs(v)):
+                    return lambda: ring_kernel[(1, splits, rows)](kv, s, c, sink, K, splits, kv.stride(0), s.stride(0),
+                                                                   **consts, num_warps=4)
             try:
-                us = cuda_graph_time_us(calls)
+                us = time_rotated(make_call, rows, gfh.BLOCK_H, splits, rb, dev, g)[0]
             except Exception as e:  # noqa: BLE001 - record and go on: one variant must not cost the others
                 print(f"{v['name']:>22} rows {rows}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 res.append(dict(v, rows=rows, splits=splits, error=f"{type(e).__name__}: {e}"))
                 continue
-            nbytes = rows * K * rb
-            gbps = nbytes / us / 1e3
-            stage_kb = BLOCK_N * (NVFP4_ROW_BYTES if v["fmt"] != "fp8" else 576) / 1024
+            gbps = rows * K * rb / us / 1e3
+            stage_kb = BLOCK_N * rb / 1024
             rec = dict(v, rows=rows, splits=splits, us=us, GBps=gbps, copy_frac=gbps / copy,
                        ring_kb=v["k_stages"] * stage_kb)
             res.append(rec)

@@ -53,8 +53,12 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_s
 """
 
 
-@pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
-                    reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+# the Gluon compile checks: Gluon imports and Triton is a version its kernels are written for
+_NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
+                                  reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+
+
+@_NEEDS_GLUON
 @pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4}, {"kernel": "few"},
                                        {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
@@ -80,8 +84,7 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
         assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
 
 
-@pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
-                    reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+@_NEEDS_GLUON
 @pytest.mark.parametrize("block_n,cvt_rows", [(64, 32), (64, 16), (32, 8)])
 def test_producer_layouts_are_bank_conflict_free(block_n: int, cvt_rows: int) -> None:
     """Every shared-memory access of the gathers and conversions (both kernels, both formats) takes the ideal
@@ -97,8 +100,7 @@ def test_producer_layouts_are_bank_conflict_free(block_n: int, cvt_rows: int) ->
     assert got == dict.fromkeys(got, 0), got
 
 
-@pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
-                    reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+@_NEEDS_GLUON
 def test_ring_floor_probe_compiles() -> None:
     """benchmarks/bench_ring_floor.py (the few-heads kernel's rings with the consumer's math taken out) compiles for
     sm_90a in every variant it times and fits the shared memory: it builds on gluon_decode's `_gatherer` and
