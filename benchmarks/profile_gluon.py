@@ -2,7 +2,9 @@
 (benchmarks/device_profile_gluon.sh). Default: the 64-head kernel, H=128, K=2048, fp8, 80 rows, one split;
 `--kernel few` the few-heads kernel (default H=16, 264 rows: two full waves of 132 SMs).
 
-    python3 benchmarks/profile_gluon.py [--kernel gluon|few] [--rows N] [--heads H]
+    python3 benchmarks/profile_gluon.py [--kernel gluon|few] [--rows N] [--heads H] [--params k=v,...]
+
+--params: FewHeadsParams overrides for the few-heads kernel (e.g. reg_v=1,k_stages=4).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import torch  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--kernel", choices=("gluon", "few"), default="gluon")
 p.add_argument("--rows", type=int, default=None)
 p.add_argument("--heads", type=int, default=None)
+p.add_argument("--params", default="", help="few-heads kernel: FewHeadsParams overrides, k=v,...")
 a = p.parse_args()
 few = a.kernel == "few"
 rows = a.rows or (264 if few else 80)
@@ -36,7 +39,10 @@ q = (torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8
 slots = torch.randint(0, 1 << 20, (rows, width), device=dev, generator=g, dtype=torch.int32)
 counts = torch.full((rows,), width, device=dev, dtype=torch.int32)
 out = torch.empty(rows, heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
+extra = {}
+if few and a.params:
+    extra["params"] = FewHeadsParams(**{k: int(v) for k, v in (kv_.split("=") for kv_ in a.params.split(","))})
 for _ in range(2):
-    run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1)
+    run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1, **extra)
 torch.cuda.synchronize()
 print("profiled", a.kernel, "rows", rows, "heads", heads, "K", width)

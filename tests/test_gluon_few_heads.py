@@ -47,10 +47,13 @@ class Case:
     cvt_rows: int = 32
     split_producer: bool = True
     nvfp4: bool = False
+    reg_v: bool = False
+    reg_v_wgs: int = 1
 
     def params(self) -> FewHeadsParams:
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, nvfp4=self.nvfp4)
+                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v,
+                              reg_v_wgs=self.reg_v_wgs)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -86,6 +89,22 @@ CASES = [
     Case(33, 20, 128),
     Case(320, 32, 2048),
     Case(19, 32, 2048, splits=2, split_producer=False),
+    # P.V's latent through registers (reg_v): no converter, no V16 ring
+    Case(1, 16, 2048, splits=1, reg_v=True, k_stages=5),
+    Case(5, 12, 2048, splits=3, reg_v=True, k_stages=5),
+    Case(7, 16, 1024, reg_v=True),
+    Case(33, 12, 128, splits=1, reg_v=True, k_stages=2),
+    Case(19, 1, 1024, splits=2, reg_v=True, k_stages=3),
+    Case(320, 16, 2048, reg_v=True, k_stages=5),
+    Case(320, 12, 2048, splits=1, reg_v=True, k_stages=5),
+    Case(7, 16, 2048, splits=1, reg_v=True, reg_v_wgs=2),
+    Case(320, 12, 2048, reg_v=True, reg_v_wgs=2, k_stages=3),
+    Case(5, 12, 2048, splits=3, reg_v=True, reg_v_wgs=2),
+    Case(33, 12, 128, splits=1, reg_v=True, reg_v_wgs=2, k_stages=2),
+    Case(19, 1, 1024, splits=2, reg_v=True, reg_v_wgs=2),
+    Case(33, 20, 128, reg_v=True, reg_v_wgs=2),
+    Case(5, 32, 2048, splits=1, reg_v=True, k_stages=5),
+    Case(33, 20, 128, reg_v=True, k_stages=5),
 ]
 
 # nvfp4_ds_mla
@@ -146,7 +165,7 @@ def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}{'-regv' if c.reg_v else ''}{'-wgs2' if c.reg_v_wgs == 2 else ''}")
 def test_matches_reference(case: Case) -> None:
     fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)

@@ -62,9 +62,11 @@ _NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._t
 @pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4}, {"kernel": "few"},
                                        {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
-                                       {"kernel": "few", "heads": 32}],
+                                       {"kernel": "few", "heads": 32},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 3},
+                                       {"kernel": "few", "reg_v": True, "reg_v_wgs": 2}],
                          ids=["default", "block_n_32", "few_heads", "few_heads_one_producer",
-                              "few_heads_nvfp4", "few_heads_32"])
+                              "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v", "few_heads_reg_v_2wg"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel (64- and 32-token tiles); the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
@@ -78,7 +80,7 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     assert s["shared"] <= 227 * 1024
     assert s["spill_stores"] is not None and s["spill_stores"] <= 256, f"{s['spill_stores']} bytes of spill stores"
     assert {"consumer", "producer"} <= set(s["kinds"]), f"expected a consumer and a producer tile loop: {s['kinds']}"
-    if overrides.get("kernel") == "few" and overrides.get("split_producer", True):
+    if overrides.get("kernel") == "few" and overrides.get("split_producer", True) and not overrides.get("reg_v"):
         assert "converter" in s["kinds"], f"expected the converter warpgroup's loop: {s['kinds']}"
         assert s["consumer_loops"] == 1, f"consumer loops: {s['consumer_loops']}"
         assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
@@ -95,7 +97,7 @@ def test_producer_layouts_are_bank_conflict_free(block_n: int, cvt_rows: int) ->
                        capture_output=True, text=True, env=_compile_env(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = {w[1]: int(w[2]) for w in (line.split() for line in r.stdout.splitlines()) if w[:1] == ["RESULT"]}
-    assert len(got) == 9, r.stdout
+    assert len(got) == 11, r.stdout
     assert got.pop("old_lat_gather") > 0 and got.pop("old_nvfp4_cvt_load") > 0, "the check does not see conflicts"
     assert got == dict.fromkeys(got, 0), got
 
