@@ -50,12 +50,9 @@ def conflicts(p, BN: gl.constexpr, CVT: gl.constexpr):
     gl.static_print("RESULT", "nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, fh._PK_LAYOUT).type, pk4.type))
     half = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.float16, fh._PK_LAYOUT), [CVT, 256])
     gl.static_print("RESULT", "nvfp4_cvt_store", gl.bank_conflicts(half.type, v16.type))
-    # the REG_V consumers' P.V operand loads from a 16-token slice of the K stage (one latent half for two consumers)
+    # the REG_V consumer's P.V operand loads from a 16-token slice of the K stage
     lat16 = gl.allocate_shared_memory(gl.float8e4nv, [16, 512], LAT)
     gl.static_print("RESULT", "regv_chunk_load", gl.bank_conflicts(gl.full([16, 512], 0, gl.float8e4nv, fh._V_CHUNK_LAYOUT).type, lat16.type))
-    # (Gluon counts no subslices: a half of the 128-byte-swizzled stage is laid out as a [16, 256] buffer of its own)
-    lat16h = gl.allocate_shared_memory(gl.float8e4nv, [16, 256], LAT)
-    gl.static_print("RESULT", "regv_half_load", gl.bank_conflicts(gl.full([16, 256], 0, gl.float8e4nv, fh._V_HALF_LAYOUT).type, lat16h.type))
     gl.static_print("RESULT", "old_lat_gather", gl.bank_conflicts(gl.full([BN, 512], 0, gl.float8e4nv, OLD_ROWS).type, lat.type))
     gl.static_print("RESULT", "old_nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, OLD_PK).type, pk4.type))
 

@@ -47,12 +47,9 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              # choose_plan's tail-split plan (bench_gluon.tail_split_call) through the default kernel
                              "few-tail": {"tail_split": True},
                              "few-tail-nvfp4": {"k_stages": 3, "v_slots": 4, "nvfp4": True, "tail_split": True},
-                             # P.V's latent through registers (reg_v: no converter, no V16 ring), one consumer
-                             # (K ring 4 / 3) or two (reg_v_wgs=2, a latent half each)
+                             # P.V's latent through registers (reg_v: no converter, no V16 ring), K ring 4 / 3
                              "few-regv": {"reg_v": True},
                              "few-regv-k3": {"reg_v": True, "k_stages": 3},
-                             "few-regv2": {"reg_v": True, "reg_v_wgs": 2},
-                             "few-regv2-k3": {"reg_v": True, "reg_v_wgs": 2, "k_stages": 3},
                              "few-tail-regv": {"reg_v": True, "k_stages": 3, "tail_split": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
 NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]

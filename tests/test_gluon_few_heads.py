@@ -29,6 +29,7 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import (
     few_heads_config,
     few_heads_sparse_mla_decode,
     nvfp4_params,
+    reg_v_params,
 )
 from vllm_kimi_dsa.reference import reference_decode
 
@@ -48,12 +49,10 @@ class Case:
     split_producer: bool = True
     nvfp4: bool = False
     reg_v: bool = False
-    reg_v_wgs: int = 1
 
     def params(self) -> FewHeadsParams:
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v,
-                              reg_v_wgs=self.reg_v_wgs)
+                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -97,12 +96,7 @@ CASES = [
     Case(19, 1, 1024, splits=2, reg_v=True, k_stages=3),
     Case(320, 16, 2048, reg_v=True, k_stages=5),
     Case(320, 12, 2048, splits=1, reg_v=True, k_stages=5),
-    Case(7, 16, 2048, splits=1, reg_v=True, reg_v_wgs=2),
-    Case(320, 12, 2048, reg_v=True, reg_v_wgs=2, k_stages=3),
-    Case(5, 12, 2048, splits=3, reg_v=True, reg_v_wgs=2),
-    Case(33, 12, 128, splits=1, reg_v=True, reg_v_wgs=2, k_stages=2),
-    Case(19, 1, 1024, splits=2, reg_v=True, reg_v_wgs=2),
-    Case(33, 20, 128, reg_v=True, reg_v_wgs=2),
+    Case(320, 12, 2048, reg_v=True, k_stages=3),
     Case(5, 32, 2048, splits=1, reg_v=True, k_stages=5),
     Case(33, 20, 128, reg_v=True, k_stages=5),
 ]
@@ -122,6 +116,13 @@ NVFP4_CASES = [
     nvfp4_case(5, 32, 2048, splits=1),
     nvfp4_case(19, 20, 1024, splits=2),
 ]
+
+
+def _params(fmt: str, reg_v: bool = False) -> FewHeadsParams:
+    """The default params of a format, or (fp8) the reg_v option at its best ring (K 3)."""
+    if fmt == "nvfp4_ds_mla":
+        return nvfp4_params()
+    return reg_v_params() if reg_v else FewHeadsParams()
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
@@ -165,7 +166,7 @@ def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}{'-regv' if c.reg_v else ''}{'-wgs2' if c.reg_v_wgs == 2 else ''}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}{'-regv' if c.reg_v else ''}")
 def test_matches_reference(case: Case) -> None:
     fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)
@@ -206,17 +207,18 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("fmt,splits,heads", [
-    pytest.param(f, s, h, id=f"{f}-s{s}-h{h}") for f, s, h in (("fp8", 1, 12), ("fp8", 4, 12), ("nvfp4_ds_mla", 3, 12),
-                                                                 ("fp8", 2, 24))])
-def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
+@pytest.mark.parametrize("fmt,splits,heads,reg_v", [
+    pytest.param(f, s, h, r, id=f"{f}-s{s}-h{h}{'-regv' if r else ''}")
+    for f, s, h, r in (("fp8", 1, 12, False), ("fp8", 4, 12, False), ("nvfp4_ds_mla", 3, 12, False),
+                       ("fp8", 2, 24, False), ("fp8", 4, 12, True), ("fp8", 2, 24, True))])
+def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
     ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
                                       config=few_heads_config())
     out, lse = _poisoned(rows, heads)
-    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
+    params = _params(fmt, reg_v)
 
     def call() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
@@ -227,13 +229,14 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("fmt,heads,rows", [("fp8", 16, 160), ("fp8", 32, 80), ("nvfp4_ds_mla", 12, 320)])
-def test_tail_split_plan(fmt: str, heads: int, rows: int) -> None:
+@pytest.mark.parametrize("fmt,heads,rows,reg_v", [("fp8", 16, 160, False), ("fp8", 32, 80, False),
+                                                  ("nvfp4_ds_mla", 12, 320, False), ("fp8", 12, 320, True)])
+def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices; count-0 rows at the seam."""
     from vllm_kimi_dsa.kernels import gluon_few_heads
 
-    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
+    params = _params(fmt, reg_v)
     _check(*run_tail_split_plan(lambda *a: gluon_few_heads.launch(*a, params), few_heads_config(), rows, heads,
                                 seed=7 + rows, fmt=fmt), fmt=fmt)
 
@@ -250,3 +253,28 @@ def test_rejects_many_heads() -> None:
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
     assert case.params().nvfp4 == case.nvfp4
+
+
+@GPU
+@pytest.mark.parametrize("heads", [12, 32])
+def test_kernel_class_runs_reg_v_from_its_row_threshold(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (fp8, few heads): batches below REG_V_MIN_ROWS on the default params, from it on reg_v (where
+    verified); both match the reference, one workspace for both."""
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+    from vllm_kimi_dsa.kernels.gluon_few_heads import REG_V_MIN_ROWS, reg_v_verified
+
+    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
+    small, large, width = 5, REG_V_MIN_ROWS + 17, 1024
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large), capacities=(),
+                        widths=(width,), return_lse=True, softmax_scale=0.04, output_scale=0.37)
+    k = triton_decode.TritonDecode(setup)
+    if k.gluon is None or not reg_v_verified():
+        pytest.skip("the few-heads Gluon kernel or its reg_v params are not verified on this Triton")
+    assert k.gluon_large is not None and k._launches[(small, width)] is not k._launches[(large, width)]
+    for rows in (small, large):
+        q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=3 + rows)
+        counts[1] = 0
+        out, lse = _poisoned(rows, heads)
+        k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+        torch.cuda.synchronize()
+        _check(out, lse, q, kv, slots, counts, 0.04, 0.37)

@@ -15,7 +15,7 @@ import torch
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
-from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified, nvfp4_params
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified, nvfp4_params, reg_v_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +75,11 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
         assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
-        assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla")
+        assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and not k.gluon.reg_v
+    # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, with the same config (workspace, plans)
+    assert (k.gluon_large is not None) == (want and heads <= 32 and fmt == "fp8" and reg_v_verified())
+    if k.gluon_large is not None:
+        assert k.gluon_large.reg_v and k.gluon_large.config() == k.config
 
 
 def test_few_heads_params_reject_bad_shapes() -> None:

@@ -21,11 +21,12 @@ M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it repla
 
 Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
 
-FewHeadsParams.reg_v (fp8; an option, not the default; GPU-tested on the H200 with Triton 3.6): no converter and no
-V16 ring; the consumer loads each 16-token k-step of the latent from the K stage straight into P.V's register A
-operand (_v_chunk: O^T's rows are permuted so a thread's dims are 16 contiguous stage bytes), halving the shared-memory
-traffic a tile. Measured within -8% / +3.5% of the default (NOTES v14): the consumer's own chain, not shared memory,
-paces the kernel. reg_v_wgs=2 splits P.V's latent halves over two consumer warpgroups that both compute Q.K.
+FewHeadsParams.reg_v (fp8; reg_v_params(), which TritonDecode runs from REG_V_MIN_ROWS rows; GPU-tested on the H200
+with Triton 3.6 and 3.8): no converter and no V16 ring; the consumer loads each 16-token k-step of the latent from
+the K stage straight into P.V's register A operand (_v_chunk: O^T's rows are permuted so a thread's dims are 16
+contiguous stage bytes), halving the shared-memory traffic a tile: ~6% faster at 320 rows, ~1 µs slower at 1-5
+(NOTES v14). The consumer's own chain, not shared memory, paces the kernel (two consumer warpgroups, a latent half
+each, both computing Q.K, were slower: removed).
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
 `tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
@@ -85,6 +86,20 @@ if gd.gl is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, k])
 
     @gluon.jit
+    def _consumer_state(BH: gl.constexpr):
+        """A consumer's starting softmax state and accumulators: the running max, per-thread shares of the row sums
+        (summed down the tokens once, after the loop: no reduction a tile), O^T as two 256-row halves (latent dims
+        0..255 / 256..511; nvfp4: even / odd; reg_v: _V_CHUNK_LAYOUT's rows), and Q.K's zero accumulator."""
+        s_layout: gl.constexpr = _mma_layout(BH, 32)
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
+        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
+        acc0 = gl.zeros([256, BH], gl.float32, o_layout)
+        acc1 = gl.zeros([256, BH], gl.float32, o_layout)
+        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        return m_i, l_acc, acc0, acc1, s_zero
+
+    @gluon.jit
     def _few_consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
         k_ready, k_empty, v_ready, v_empty,
@@ -103,12 +118,7 @@ if gd.gl is not None:
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        # per-thread shares of the row sums (summed down the tokens once, after the loop: no reduction a tile)
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc0 = gl.zeros([256, BH], gl.float32, o_layout)  # O^T, latent dims 0..255 (nvfp4: the even dims)
-        acc1 = gl.zeros([256, BH], gl.float32, o_layout)  # 256..511 (nvfp4: the odd dims)
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        m_i, l_acc, acc0, acc1, s_zero = _consumer_state(BH)
         if NVFP4:
             s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)  # the fp16 latent logits' accumulator
             q_even_t = q_lat_s.index(0).permute((1, 0))
@@ -214,11 +224,7 @@ if gd.gl is not None:
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc0 = gl.zeros([256, BH], gl.float32, o_layout)
-        acc1 = gl.zeros([256, BH], gl.float32, o_layout)
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
+        m_i, l_acc, acc0, acc1, s_zero = _consumer_state(BH)
         q_lat_t = q_lat_s.permute((1, 0))
         q_rope_t = q_rope_s.permute((1, 0))
         p_t = p_s.permute((1, 0))
@@ -260,83 +266,6 @@ if gd.gl is not None:
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                       BH, False, True)
 
-    # REG_V_WGS = 2: consumer HALF takes latent dims 256 HALF .. + 255; its O^T row i = 64 m + 16 w + 8 h + r holds
-    # dim 256 HALF + 64 w + 8 r + 2 m + h: 8 contiguous stage bytes a token a thread (LDS.64; 16 lanes of a load on 4
-    # rows x 4 chunks x both 8-byte halves: conflict-free under the 128-byte swizzle). Shape [16 tokens, 256 dims].
-    _V_HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
-        warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256]))
-    _O_HALF_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 2], [8, 4], [4, 1], [0, 1]))
-
-    @gluon.jit
-    def _v_half_chunk(k_stage, kk: gl.constexpr, HALF: gl.constexpr, BH: gl.constexpr):
-        """Tokens 16 kk .. 16 kk + 15 of latent half HALF of a K stage as the fp16 A operand of O^T += V^T P^T."""
-        x = k_stage.slice(16 * kk, 16, dim=0).slice(256 * HALF, 256, dim=1).load(_V_HALF_LAYOUT).to(gl.float16)
-        # dim = 64 w + 8 r + 2 m + h  ->  (m, w, h, r, token)
-        x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, 8, 4, 2]), (3, 1, 4, 2, 0)), [256, 16])
-        return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=_mma_layout(BH, 16), k_width=2))
-
-    @gluon.jit
-    def _regv_half_consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, num_tiles, H, num_splits,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, HALF: gl.constexpr,
-    ):
-        """One of two REG_V consumer warpgroups: S^T = K Q^T and the softmax (both compute them: the same values),
-        its own P buffer, and P.V of latent half HALF from the K stage through registers (_v_half_chunk). k_empty
-        counts both."""
-        s_layout: gl.constexpr = _mma_layout(BH, 32)
-        o_layout: gl.constexpr = _mma_layout(BH, 16)
-        tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_acc = gl.zeros([_BN, BH], gl.float32, s_layout)
-        acc = gl.zeros([256, BH], gl.float32, o_layout)
-        s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
-        q_lat_t = q_lat_s.permute((1, 0))
-        q_rope_t = q_rope_s.permute((1, 0))
-        p_t = p_s.permute((1, 0))
-        for it in range(num_tiles):
-            stage = it % K_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
-            fence_async_shared()
-            a = warpgroup_mma_init(acc)
-            if it > 0:
-                prev = k_lat_s.index((it + K_STAGES - 1) % K_STAGES)
-                for kk in gl.static_range(4):
-                    v = _v_half_chunk(prev, kk, HALF, BH)
-                    if kk > 0:  # one chunk's registers in flight: a 12-warp CTA has 168 a thread at launch
-                        a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-                    a = warpgroup_mma(v, p_t.slice(16 * kk, 16, dim=0), a, is_async=True)
-                mbarrier.arrive(k_empty.index((it + K_STAGES - 1) % K_STAGES))
-            bias = bias_s.index(stage).load(tok_layout)
-            s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
-            p, m_i, l_acc, acc, _ = _softmax_step(s, bias, m_i, l_acc, acc, acc, qk_scale, head_o_layout)
-            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
-            fence_async_shared()
-        if num_tiles > 0:
-            last = k_lat_s.index((num_tiles - 1) % K_STAGES)
-            a = warpgroup_mma_init(acc)
-            for kk in gl.static_range(4):
-                v = _v_half_chunk(last, kk, HALF, BH)
-                if kk > 0:
-                    a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-                a = warpgroup_mma(v, p_t.slice(16 * kk, 16, dim=0), a, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        l_i = gl.sum(l_acc, axis=0)
-        # latent order, 8 contiguous dims a thread: row i = 64 m + 16 w + 8 h + r is dim 64 w + 8 r + 2 m + h
-        o = gl.permute(gl.reshape(acc, [4, 4, 2, 8, BH]), (1, 3, 0, 2, 4))
-        o = gl.convert_layout(gl.reshape(o, [256, BH]), _O_HALF_STORE_LAYOUT)
-        _few_epilogue(o, o, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH, False, True, 256 * HALF)
-
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
         """Online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP: the tile's P,
@@ -353,14 +282,13 @@ if gd.gl is not None:
     @gluon.jit
     def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH: gl.constexpr, NVFP4: gl.constexpr, REG_V: gl.constexpr = False,
-                      D_OFF: gl.constexpr = 0):
+                      BH: gl.constexpr, NVFP4: gl.constexpr, REG_V: gl.constexpr = False):
         """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1;
-        REG_V: acc0 holds dims D_OFF .. D_OFF + len - 1 in a store layout, acc1 unused, the LSE written by the
-        D_OFF = 0 one) normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
+        REG_V: acc0 all 512 dims in _O_STORE_LAYOUT, acc1 unused) normalized into out and the LSE, or with several
+        splits the split's partial and base-2 LSE."""
         if REG_V:
-            DH: gl.constexpr = acc0.shape[0]
-            o_layout: gl.constexpr = acc0.type.layout
+            DH: gl.constexpr = 512
+            o_layout: gl.constexpr = _O_STORE_LAYOUT
         else:
             DH: gl.constexpr = 256
             o_layout: gl.constexpr = _mma_layout(BH, 16)
@@ -377,7 +305,7 @@ if gd.gl is not None:
             d0 = offs_d * 2
             d1_off: gl.constexpr = 1
         else:
-            d0 = offs_d + D_OFF
+            d0 = offs_d
             d1_off: gl.constexpr = DH
         if num_splits == 1:
             o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
@@ -385,16 +313,14 @@ if gd.gl is not None:
             gl.store(o_ptrs, (acc0 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
             if not REG_V:
                 gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-            if D_OFF == 0:
-                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
+            gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
         else:
             base = (row * num_splits + split) * H
             p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
             gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
             if not REG_V:
                 gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
-            if D_OFF == 0:
-                gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
+            gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # fp16 tiles with 256-element (or 64-token P) rows as wgmma operands: V16 halves, P, nvfp4's fp16 Q
@@ -545,8 +471,6 @@ if gd.gl is not None:
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         REG_V: gl.constexpr = False,  # fp8: P.V's latent from the K stage through registers (_regv_consumer)
-        REG_V_WGS: gl.constexpr = 1,  # REG_V: 2 = two consumer warpgroups, each P.V of one latent half
-        CONSUMER_REGS: gl.constexpr = 176,  # REG_V_WGS = 2: the second consumer's registers
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         split = gl.program_id(1)
@@ -572,9 +496,7 @@ if gd.gl is not None:
         k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
         k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
         if REG_V:  # no V16 ring: the consumers alone free a stage
-            p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, REG_V_WGS)
-            if REG_V_WGS == 2:
-                p2_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _V16_LAYOUT)
+            p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
         else:
             v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
 
@@ -590,27 +512,7 @@ if gd.gl is not None:
         fence_async_shared()
 
         # (the consumer's arguments are spelled out in each call: a tuple variable loses its constexprs)
-        if REG_V and REG_V_WGS == 2:
-            gl.warp_specialize(
-                [
-                    (_regv_half_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-                                           out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                           row, split, h0, num_tiles, H, num_splits,
-                                           stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                           BH, K_STAGES, 0)),
-                    (_regv_half_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p2_s, k_ready, k_empty,
-                                           out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                           row, split, h0, num_tiles, H, num_splits,
-                                           stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                           BH, K_STAGES, 1)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES)),
-                ],
-                [4, 4],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )
-        elif REG_V:
+        if REG_V:
             gl.warp_specialize(
                 [
                     (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
@@ -684,12 +586,8 @@ class FewHeadsParams:
     nvfp4: bool = False
     # fp8: no converter and no V16 ring; the consumer loads P.V's latent from the K stage into registers
     # (_regv_consumer); the gatherer is the one producer warpgroup (producer_regs), v_slots unused. H200, H = 16
-    # / 12, 320 rows: 147.4 / 142.9 µs at K ring 3 vs 150.8 / 148.1 for the default, but 12.2 vs 11.3 at 5 rows
+    # / 12, 320 rows, tail-split: 131.6 / 130.5 µs at K ring 3 vs 140.2 / 138.5, but 12.1 vs 11.1 at 5 rows
     reg_v: bool = False
-    # reg_v: two consumer warpgroups (12 warps), each P.V of one latent half (Q.K and the softmax computed by
-    # both); consumer_regs is the second one's setmaxnreg
-    reg_v_wgs: int = 1
-    consumer_regs: int = 176
 
     def __post_init__(self) -> None:
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
@@ -697,8 +595,6 @@ class FewHeadsParams:
                              "halves while P.V holds the previous tile's)")
         if self.reg_v and self.nvfp4:
             raise ValueError("reg_v is for the fp8 cache only")
-        if self.reg_v_wgs not in (1, 2) or (self.reg_v_wgs == 2 and not self.reg_v):
-            raise ValueError(f"reg_v_wgs must be 1, or 2 with reg_v, got {self.reg_v_wgs}")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -708,14 +604,14 @@ class FewHeadsParams:
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, K ring, V16 ring (none with reg_v), P (one a consumer), plus ~2 KB (bias, mbarriers, Triton's
-        warp-specialize state)."""
+        """Q, K ring, V16 ring (none with reg_v), P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize
+        state)."""
         if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
         else:
             q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
         v16 = 0 if self.reg_v else self.v_slots * BLOCK_N * LATENT_DIM
-        return q + self.k_stages * stage + v16 + self.reg_v_wgs * BLOCK_H * BLOCK_N * 2 + 2048
+        return q + self.k_stages * stage + v16 + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
@@ -725,6 +621,19 @@ class FewHeadsParams:
 def nvfp4_params() -> FewHeadsParams:
     """The nvfp4_ds_mla shape: K ring 3 (22.5 KB a stage) and V16 4 halves (two tiles) fit 227 KB; 4 / 4 do not."""
     return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True)
+
+
+# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): H200, tail-split plans, H = 16 / 12,
+# µs at 5 / 20 / 80 / 160 / 320 rows: default 11.1 / 18.7 / 49.1 / 77.2 / 140.2 and 10.8 / 18.3 / 48.2 / 76.6 /
+# 138.5; reg_v 12.1 / 19.1 / 48.0 / 74.0 / 131.6 and 11.6 / 18.0 / 46.5 / 72.9 / 130.5 (NOTES v14)
+REG_V_MIN_ROWS = 20
+# Versions on which reg_v passed its GPU tests (fp8, every head count): TritonDecode uses it only on these
+REG_V_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
+
+
+def reg_v_params() -> FewHeadsParams:
+    """fp8 with P.V's latent through registers at its best K ring (3 of 2..5 measured)."""
+    return FewHeadsParams(reg_v=True, k_stages=3)
 
 
 def few_heads_config() -> td.Config:
@@ -738,8 +647,12 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, REG_V=params.reg_v, REG_V_WGS=params.reg_v_wgs,
-                CONSUMER_REGS=params.consumer_regs)
+                NVFP4=params.nvfp4, REG_V=params.reg_v)
+
+
+def reg_v_verified() -> bool:
+    """Whether this Triton version is one reg_v passed its GPU tests on."""
+    return gd._triton_is(REG_V_VERIFIED_TRITON)
 
 
 def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:

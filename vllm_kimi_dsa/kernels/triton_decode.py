@@ -690,6 +690,12 @@ def sparse_mla_decode(
     return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
+def _reg_v_verified() -> bool:
+    from vllm_kimi_dsa.kernels import gluon_few_heads
+
+    return gluon_few_heads.reg_v_verified()
+
+
 class TritonDecode:
     """DecodeKernel "triton": fixed config by (heads, fmt), splits by (rows, K), scratch made here."""
 
@@ -727,10 +733,22 @@ class TritonDecode:
                 self.gluon = params
                 self.config = params.config()
                 self._gluon_launch = launch
-        # the implementation is bound here, once: the call path does not branch on it
-        self._launch = self._launch_tl if self.gluon is None else self._launch_gluon
         self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config,
                                  num_sms(torch.device(setup.device)))
+        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it. fp8
+        # few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params (same config and workspace), on the
+        # Triton versions reg_v was verified on (or when asked for with VLLM_KIMI_DSA_GLUON=1)
+        large = None
+        if self.gluon is not None and few and self.fmt == "fp8" and (want == "1" or _reg_v_verified()):
+            from vllm_kimi_dsa.kernels import gluon_few_heads
+
+            large = gluon_few_heads.reg_v_params()
+            self._launches = {key: self._gluon_call(large if key[0] >= gluon_few_heads.REG_V_MIN_ROWS else params)
+                              for key in self._plans}
+        else:
+            launch_one = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
+            self._launches = dict.fromkeys(self._plans, launch_one)
+        self.gluon_large = large
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
                                         fmt=self.fmt, config=self.config, plans=self._plans)
 
@@ -757,15 +775,18 @@ class TritonDecode:
             )
         if rows == 0:
             return
-        run_plan(self._launch, self._plans[key], query, kv_rows, slots, counts, out, lse)
+        run_plan(self._launches[key], self._plans[key], query, kv_rows, slots, counts, out, lse)
 
     def _launch_tl(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
         _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
                 self.setup.softmax_scale, self.setup.output_scale, self.workspace, self.config, splits)
 
-    def _launch_gluon(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
-        self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
-                           self.setup.output_scale, self.workspace, splits, self.gluon)
+    def _gluon_call(self, params: Any) -> Any:
+        """The Gluon kernel's launch with these params, as run_plan calls it."""
+        def launch(query, kv_rows, slots, counts, out, lse, splits: int) -> None:
+            self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
+                               self.setup.output_scale, self.workspace, splits, params)
+        return launch
 
 
 __all__ = ["Config", "TritonDecode", "Workspace", "choose_plan", "choose_splits", "default_config", "make_workspace",
