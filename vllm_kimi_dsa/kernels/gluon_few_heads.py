@@ -209,6 +209,16 @@ if gd.gl is not None:
         return gl.convert_layout(lo, a_layout), gl.convert_layout(hi, a_layout)
 
     @gluon.jit
+    def _regv_pv(k_stage, p_t, a0, a1, BH: gl.constexpr):
+        """Issue O^T += V^T P^T for one tile, its latent from k_stage through registers (_v_chunk), into the
+        in-flight accumulators a0 / a1 (REG_V row order); the caller waits."""
+        for kk in gl.static_range(4):
+            a_lo, a_hi = _v_chunk(k_stage, kk, BH)
+            a0 = warpgroup_mma(a_lo, p_t.slice(16 * kk, 16, dim=0), a0, is_async=True)
+            a1 = warpgroup_mma(a_hi, p_t.slice(16 * kk, 16, dim=0), a1, is_async=True)
+        return a0, a1
+
+    @gluon.jit
     def _regv_consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -235,11 +245,7 @@ if gd.gl is not None:
             a0 = warpgroup_mma_init(acc0)
             a1 = warpgroup_mma_init(acc1)
             if it > 0:
-                prev = k_lat_s.index((it + K_STAGES - 1) % K_STAGES)
-                for kk in gl.static_range(4):
-                    a_lo, a_hi = _v_chunk(prev, kk, BH)
-                    a0 = warpgroup_mma(a_lo, p_t.slice(16 * kk, 16, dim=0), a0, is_async=True)
-                    a1 = warpgroup_mma(a_hi, p_t.slice(16 * kk, 16, dim=0), a1, is_async=True)
+                a0, a1 = _regv_pv(k_lat_s.index((it + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH)
                 mbarrier.arrive(k_empty.index((it + K_STAGES - 1) % K_STAGES))
             bias = bias_s.index(stage).load(tok_layout)
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
@@ -249,14 +255,9 @@ if gd.gl is not None:
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
         if num_tiles > 0:
-            last = (num_tiles - 1) % K_STAGES
-            acc0 = warpgroup_mma_init(acc0)
-            acc1 = warpgroup_mma_init(acc1)
-            for kk in gl.static_range(4):
-                a_lo, a_hi = _v_chunk(k_lat_s.index(last), kk, BH)
-                acc0 = warpgroup_mma(a_lo, p_t.slice(16 * kk, 16, dim=0), acc0, is_async=True)
-                acc1 = warpgroup_mma(a_hi, p_t.slice(16 * kk, 16, dim=0), acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            a0, a1 = _regv_pv(k_lat_s.index((num_tiles - 1) % K_STAGES), p_t,
+                              warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
         l_i = gl.sum(l_acc, axis=0)
         # back to latent order, 16 contiguous dims a thread (vector stores; the MMA order wrote 8x the sectors): row
         # i = 64 m + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h

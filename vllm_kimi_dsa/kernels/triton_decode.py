@@ -690,12 +690,6 @@ def sparse_mla_decode(
     return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
-def _reg_v_verified() -> bool:
-    from vllm_kimi_dsa.kernels import gluon_few_heads
-
-    return gluon_few_heads.reg_v_verified()
-
-
 class TritonDecode:
     """DecodeKernel "triton": fixed config by (heads, fmt), splits by (rows, K), scratch made here."""
 
@@ -717,9 +711,13 @@ class TritonDecode:
         # <= 32 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring; 16-head blocks), fp8 or
         # nvfp4_ds_mla, under the same rules, with its own verified versions per format and head count.
         # Elsewhere (nvfp4 at > 32 heads, unverified versions) this file's kernel.
+        # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params (same config and workspace), on
+        # the Triton versions reg_v was verified on (or when asked for with VLLM_KIMI_DSA_GLUON=1)
         self.gluon: Any = None
+        self.gluon_large: Any = None
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
         few = setup.heads <= 32
+        large, large_from = None, setup.max_rows + 1
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
@@ -729,26 +727,18 @@ class TritonDecode:
                 params = gluon_few_heads.FewHeadsParams() if self.fmt == "fp8" else gluon_few_heads.nvfp4_params()
                 verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
                 launch = gluon_few_heads.launch
+                if self.fmt == "fp8" and (want == "1" or gluon_few_heads.reg_v_verified()):
+                    large, large_from = gluon_few_heads.reg_v_params(), gluon_few_heads.REG_V_MIN_ROWS
             if gluon_decode.gluon_available(setup.device) and (want == "1" or verified):
-                self.gluon = params
+                self.gluon, self.gluon_large = params, large
                 self.config = params.config()
                 self._gluon_launch = launch
         self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config,
                                  num_sms(torch.device(setup.device)))
-        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it. fp8
-        # few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params (same config and workspace), on the
-        # Triton versions reg_v was verified on (or when asked for with VLLM_KIMI_DSA_GLUON=1)
-        large = None
-        if self.gluon is not None and few and self.fmt == "fp8" and (want == "1" or _reg_v_verified()):
-            from vllm_kimi_dsa.kernels import gluon_few_heads
-
-            large = gluon_few_heads.reg_v_params()
-            self._launches = {key: self._gluon_call(large if key[0] >= gluon_few_heads.REG_V_MIN_ROWS else params)
-                              for key in self._plans}
-        else:
-            launch_one = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
-            self._launches = dict.fromkeys(self._plans, launch_one)
-        self.gluon_large = large
+        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it
+        small_launch = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
+        large_launch = small_launch if self.gluon_large is None else self._gluon_call(self.gluon_large)
+        self._launches = {key: large_launch if key[0] >= large_from else small_launch for key in self._plans}
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
                                         fmt=self.fmt, config=self.config, plans=self._plans)
 
