@@ -50,7 +50,17 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              # P.V's latent through registers (reg_v: no converter, no V16 ring), K ring 4 / 3
                              "few-regv": {"reg_v": True},
                              "few-regv-k3": {"reg_v": True, "k_stages": 3},
-                             "few-tail-regv": {"reg_v": True, "k_stages": 3, "tail_split": True}}
+                             "few-tail-regv": {"reg_v": True, "k_stages": 3, "tail_split": True},
+                             # two P.V chunks in flight (the register budget of two CTAs an SM), one CTA an SM
+                             "few-regv-k3-pv2": {"reg_v": True, "k_stages": 3, "pv_in_flight": 2},
+                             # reg_v at two CTAs an SM: K ring 2 each, 128 registers a thread at launch (gatherer
+                             # 56 / consumer 200, or 72 / 184)
+                             "few-regv-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
+                                               "producer_regs": 56},
+                             "few-regv-2cta-p72": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
+                                                   "producer_regs": 72},
+                             "few-tail-regv-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                                    "ctas_per_sm": 2, "producer_regs": 56, "tail_split": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
 NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
 
@@ -97,7 +107,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,5,20,80,160,320")
     p.add_argument("--heads", default="16,12")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every variant)")
-    p.add_argument("--splits", default="", help="probe the default kernel at H=16, e.g. '80:1,2,3;5:8,16,32'")
+    p.add_argument("--splits", default="", help="probe a kernel at H=16, e.g. '80:1,2,3;5:8,16,32'")
+    p.add_argument("--probe", default="few", help="the kernel name --splits probes")
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
     heads_list = [int(h) for h in a.heads.split(",")]
@@ -161,11 +172,12 @@ def main() -> None:
     probe = []
     for item in filter(None, a.splits.split(";")):
         rows_s, counts_s = item.split(":")
-        picked = td.choose_splits(int(rows_s), 16, K, _config("few", 16), sms)
+        picked = td.choose_splits(int(rows_s), 16, K, _config(a.probe, 16), sms)
         for sp in (int(c) for c in counts_s.split(",")):
-            us = _time("few", 16, int(rows_s), sp, caches["fp8"], dev, g)
-            probe.append(dict(rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
-            print(f"splits probe H=16: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (picks {picked})", flush=True)
+            us = _time(a.probe, 16, int(rows_s), sp, caches[_fmt(a.probe)], dev, g)
+            probe.append(dict(kernel=a.probe, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
+            print(f"splits probe {a.probe} H=16: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (picks {picked})",
+                  flush=True)
     print()
     print(f"{'kernel':16s} " + " ".join(f"{r:>13d}" for r in rows_list) + "   (µs (fraction of copy), K=2048)")
     for key, rec in results.items():

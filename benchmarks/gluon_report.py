@@ -68,7 +68,8 @@ def compile_gluon(kernel: str = "gluon", **overrides):
     divisible = [n for n, t in SIGNATURE.items() if t.startswith("*") or n.startswith("stride") or n == "K"]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4})
+    extra = params.launch_options() if hasattr(params, "launch_options") else {}
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, **extra})
 
 
 def analyze(kernel) -> dict[str, object]:

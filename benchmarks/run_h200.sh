@@ -130,10 +130,12 @@ from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_buffers, mak
 dev = torch.device("cuda")
 worst = 0.0
 # (fmt, heads, rows, width, batches): tiny batches of each path, then batches whose plan on 132 SMs is tail-split
-# (H = 128, 80 rows at width 512: 66 whole rows + 14 split 4 ways; H = 16, 160 rows: 132 + 28 split 4 ways)
+# (H = 128, 80 rows at width 512: 66 whole rows + 14 split 4 ways; H = 32, 160 rows: two CTAs an SM, 132 whole rows + 28
+# split 4 ways; H = 16, 160 rows: two CTAs an SM, unsplit)
 CASES = [(fmt, heads, 3, 256, (1, 3)) for fmt in ("fp8", "nvfp4_ds_mla") for heads in (16, 32, 128)]
 if not os.environ.get("SAN_TINY"):  # racecheck takes minutes on these (its hazard tables): memcheck only
-    CASES += [("fp8", 128, 80, 512, (80,)), ("fp8", 16, 160, 512, (160,)), ("nvfp4_ds_mla", 16, 160, 512, (160,))]
+    CASES += [("fp8", 128, 80, 512, (80,)), ("fp8", 16, 160, 512, (160,)), ("fp8", 32, 160, 512, (160,)),
+              ("nvfp4_ds_mla", 16, 160, 512, (160,))]
 for fmt, heads, rows, width, batches in CASES:
     buffers = make_buffers(rows, heads, width, dev)
     core = FlashInferCore(StandInImpl(kv_cache_dtype=fmt), StandInLayer(), heads, buffers,
@@ -150,7 +152,7 @@ for fmt, heads, rows, width, batches in CASES:
         print(f"{fmt} H={heads} rows={r}: rel L2 {err:.2e}", flush=True)
 print(f"sanitize script done, worst rel L2 {worst:.2e}", flush=True)
 EOF
-    run_step memcheck "$OUT/sanitizer.log" 75 "$CS" --tool memcheck --error-exitcode 9 python3 /tmp/sanitize_decode.py
+    run_step memcheck "$OUT/sanitizer.log" ${MEMCHECK_S:-100} "$CS" --tool memcheck --error-exitcode 9 python3 /tmp/sanitize_decode.py
     run_step racecheck "$OUT/sanitizer.log" 75 env SAN_TINY=1 "$CS" --tool racecheck --error-exitcode 9 python3 /tmp/sanitize_decode.py
   fi
 fi

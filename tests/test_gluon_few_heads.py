@@ -49,10 +49,21 @@ class Case:
     split_producer: bool = True
     nvfp4: bool = False
     reg_v: bool = False
+    pv_in_flight: int = 4
+    ctas_per_sm: int = 1
 
     def params(self) -> FewHeadsParams:
+        # two CTAs an SM leave the gatherer 56 registers (the consumer 200)
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v)
+                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v,
+                              pv_in_flight=self.pv_in_flight, ctas_per_sm=self.ctas_per_sm,
+                              producer_regs=56 if self.ctas_per_sm == 2 else 96)
+
+
+def _case_id(c: Case) -> str:
+    regv = f"-regv-pv{c.pv_in_flight}-cta{c.ctas_per_sm}" if c.reg_v else ""
+    return (f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}"
+            f"-cvt{c.cvt_rows}-sp{int(c.split_producer)}{regv}")
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -99,6 +110,11 @@ CASES = [
     Case(320, 12, 2048, reg_v=True, k_stages=3),
     Case(5, 32, 2048, splits=1, reg_v=True, k_stages=5),
     Case(33, 20, 128, reg_v=True, k_stages=5),
+    Case(7, 12, 2048, splits=2, reg_v=True, k_stages=3, pv_in_flight=2),
+    # reg_v at two CTAs an SM (K ring 2, two P.V chunks in flight, 128 registers a thread at launch)
+    *(Case(r, h, w, splits=s, reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2)
+      for r, h, w, s in ((1, 16, 2048, 1), (5, 12, 2048, 3), (7, 16, 1024, None), (33, 12, 128, 1), (19, 1, 1024, 2),
+                         (320, 16, 2048, None), (320, 12, 2048, 1), (5, 32, 2048, 1), (33, 20, 128, None))),
 ]
 
 # nvfp4_ds_mla
@@ -166,7 +182,7 @@ def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}{'-regv' if c.reg_v else ''}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=_case_id)
 def test_matches_reference(case: Case) -> None:
     fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 5 + case.heads, fmt=fmt)
@@ -249,7 +265,7 @@ def test_rejects_many_heads() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 
 
-@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=lambda c: f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}-sp{int(c.split_producer)}")
+@pytest.mark.parametrize("case", CASES + NVFP4_CASES, ids=_case_id)
 def test_cases_are_valid_params(case: Case) -> None:
     """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
     assert case.params().nvfp4 == case.nvfp4
@@ -265,13 +281,17 @@ def test_kernel_class_runs_reg_v_from_its_row_threshold(heads: int, monkeypatch:
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
     small, large, width = 5, REG_V_MIN_ROWS + 17, 1024
-    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large), capacities=(),
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large, 81), capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=0.04, output_scale=0.37)
     k = triton_decode.TritonDecode(setup)
     if k.gluon is None or not reg_v_verified():
         pytest.skip("the few-heads Gluon kernel or its reg_v params are not verified on this Triton")
-    assert k.gluon_large is not None and k._launches[(small, width)] is not k._launches[(large, width)]
-    for rows in (small, large):
+    assert k.gluon_large and k._launches[(small, width)] is not k._launches[(large, width)]
+    picked = {rows: k.kernel_params[rows, width] for rows in (small, large, 81)}
+    assert not picked[small].reg_v and picked[large].reg_v and picked[81].reg_v
+    # the 2-CTA form somewhere in 20..81 rows (the model's pick; 80 rows at 16 heads on the H200)
+    assert any(k.kernel_params[r, width].ctas_per_sm == 2 for r in range(REG_V_MIN_ROWS, 82))
+    for rows in (small, large, 81):
         q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=3 + rows)
         counts[1] = 0
         out, lse = _poisoned(rows, heads)

@@ -7,6 +7,7 @@ the Gluon kernel is picked, and that VLLM_KIMI_DSA_GLUON=0 turns it off.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
-from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_verified, nvfp4_params, reg_v_verified
-from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config
+from vllm_kimi_dsa.kernels.gluon_few_heads import (REG_V_MIN_ROWS, FewHeadsParams, few_heads_verified, nvfp4_params,
+                                                   reg_v_params, reg_v_verified)
+from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config, plan_cost
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
@@ -76,14 +78,48 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and not k.gluon.reg_v
-    # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, with the same config (workspace, plans)
-    assert (k.gluon_large is not None) == (want and heads <= 32 and fmt == "fp8" and reg_v_verified())
-    if k.gluon_large is not None:
-        assert k.gluon_large.reg_v and k.gluon_large.config() == k.config
+    # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, at one or two CTAs an SM, with the same tile shape
+    assert bool(k.gluon_large) == (want and heads <= 32 and fmt == "fp8" and reg_v_verified())
+    assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
+    for p in k.gluon_large:
+        assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
+                                                                   tile_cost=p.config(heads).tile_cost)
+    assert {r for (r, _), p in k.kernel_params.items() if getattr(p, "reg_v", False)} == (
+        {r for r, _ in k.kernel_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())
+
+
+# The H200's tail-split times at K = 2048, µs at one / two CTAs an SM (NOTES v15; results/h200-2026-12-04/two-ctas)
+MEASURED_REG_V_US = {
+    16: {5: (12.2, 14.4), 20: (18.9, 21.1), 23: (20.4, 22.5), 37: (26.1, 27.8), 48: (31.9, 31.7), 60: (33.0, 35.7),
+         80: (48.2, 42.4), 100: (49.3, 50.4), 160: (73.9, 79.0), 200: (97.5, 79.7), 264: (98.9, 87.5),
+         320: (131.6, 121.6)},
+    32: {23: (30.5, 26.7), 37: (44.4, 36.1), 48: (48.2, 46.1), 60: (48.9, 47.7), 80: (69.6, 68.8), 100: (92.3, 75.2),
+         160: (127.7, 106.0), 200: (154.2, 141.5), 264: (187.5, 145.1), 320: (232.1, 193.1)},
+}
+
+
+@pytest.mark.parametrize("heads,rows", [(h, r) for h, times in MEASURED_REG_V_US.items() for r in times])
+def test_plan_cost_picks_the_measured_faster_reg_v_occupancy(heads: int, rows: int) -> None:
+    """plan_cost with TWO_CTA_TILE_COST picks the form (one or two CTAs an SM) the H200 ran faster."""
+    one, two = MEASURED_REG_V_US[heads][rows]
+    costs = {c: plan_cost(rows, heads, 2048, reg_v_params(c).config(heads), 132) for c in (1, 2)}
+    assert min(costs, key=costs.get) == (2 if two < one else 1)
 
 
 def test_few_heads_params_reject_bad_shapes() -> None:
     assert FewHeadsParams().smem_bytes() <= 227 * 1024
+    assert 2 * (reg_v_params(2).smem_bytes() + 1024) <= 228 * 1024
+    assert reg_v_params(2).launch_options() == {"maxnreg": 128} and reg_v_params().launch_options() == {}
+    with pytest.raises(ValueError, match="ctas_per_sm=2 needs reg_v"):
+        FewHeadsParams(ctas_per_sm=2, k_stages=2)
+    with pytest.raises(ValueError, match="ctas_per_sm=2 needs reg_v"):
+        FewHeadsParams(reg_v=True, k_stages=2, ctas_per_sm=2)  # 4 P.V chunks in flight need > 128 registers
+    with pytest.raises(ValueError, match="ctas_per_sm=2 needs reg_v"):
+        FewHeadsParams(reg_v=True, k_stages=3, pv_in_flight=2, ctas_per_sm=2)  # 2 x 124 KB > 228 KB
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="pv_in_flight"):
+        FewHeadsParams(reg_v=True, pv_in_flight=0)
     FewHeadsParams(k_stages=3, v_slots=3)
     with pytest.raises(ValueError, match="shared memory"):
         FewHeadsParams(k_stages=4, v_slots=3)

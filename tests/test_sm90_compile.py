@@ -47,7 +47,7 @@ import gluon_report
 args = json.loads(sys.argv[1])
 k = gluon_report.compile_gluon(args.pop("kernel", "gluon"), **args)
 s = gluon_report.analyze(k)
-print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores")}
+print(json.dumps({key: s[key] for key in ("wgmma_serialized", "shared", "spill_stores", "regs_launch")}
                  | {"kinds": sorted({lp["kind"] for lp in s["loops"]}),
                     "consumer_loops": sum(lp["kind"] == "consumer" for lp in s["loops"])}))
 """
@@ -63,9 +63,11 @@ _NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._t
                                        {"kernel": "few", "split_producer": False},
                                        {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
                                        {"kernel": "few", "heads": 32},
-                                       {"kernel": "few", "reg_v": True, "k_stages": 3}],
+                                       {"kernel": "few", "reg_v": True, "k_stages": 3},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                        "ctas_per_sm": 2, "producer_regs": 56}],
                          ids=["default", "block_n_32", "few_heads", "few_heads_one_producer",
-                              "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v"])
+                              "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v", "few_heads_reg_v_two_ctas"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel (64- and 32-token tiles); the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
@@ -83,6 +85,8 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
         assert "converter" in s["kinds"], f"expected the converter warpgroup's loop: {s['kinds']}"
         assert s["consumer_loops"] == 1, f"consumer loops: {s['consumer_loops']}"
         assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
+    if overrides.get("ctas_per_sm") == 2:  # two CTAs fit an SM: half its registers and shared memory each
+        assert s["regs_launch"] <= 128 and s["shared"] + 1024 <= 114 * 1024 and s["spill_stores"] == 0, s
 
 
 @_NEEDS_GLUON

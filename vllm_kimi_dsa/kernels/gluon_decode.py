@@ -597,9 +597,11 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
 
 
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
-                  output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any]) -> Any:
+                  output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any],
+                  options: dict[str, Any] | None = None) -> Any:
     """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
-    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments."""
+    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments; options
+    are compile options (maxnreg) beside num_warps."""
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
     compiled = kernel[(head_blocks, splits, rows)](
@@ -611,6 +613,7 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
         softmax_scale * LOG2E, output_scale,
         **constexprs,
         num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
+        **(options or {}),
     )
     td.combine(ws, out, lse_t, splits, output_scale)
     return compiled

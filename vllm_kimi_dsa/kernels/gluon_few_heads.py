@@ -27,6 +27,11 @@ the K stage straight into P.V's register A operand (_v_chunk: O^T's rows are per
 contiguous stage bytes), halving the shared-memory traffic a tile: ~6% faster at 320 rows, ~1 µs slower at 1-5
 (NOTES v14). The consumer's own chain, not shared memory, paces the kernel (two consumer warpgroups, a latent half
 each, both computing Q.K, were slower: removed).
+Two CTAs an SM (reg_v_params(2): reg_v, K ring 2, two P.V chunks in flight, compiled with maxnreg 128 so that the
+gatherer gets 56 registers and the consumer 200; 84 KB of shared memory each): two independent consumer chains an SM,
+which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 320 rows 121.6 / 119.5 µs (0.76 /
+0.77 of copy) vs 131.6 / 130.8, H = 32 193.1 vs 232.1; slower below ~40 rows and at some middle sizes (its plans split
+more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15).
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
 `tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
@@ -41,6 +46,7 @@ Gluon.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +62,9 @@ BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queri
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
 # runs beside it)
 MAX_HEADS = 2 * BLOCK_H
+# Hopper's per-SM budgets (sm_90): shared memory a CTA may take in all (228 KB less 1 KB a CTA), 32-bit registers
+SMEM_PER_SM = 228 * 1024
+REGS_PER_SM = 65536
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
 # rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
@@ -209,10 +218,13 @@ if gd.gl is not None:
         return gl.convert_layout(lo, a_layout), gl.convert_layout(hi, a_layout)
 
     @gluon.jit
-    def _regv_pv(k_stage, p_t, a0, a1, BH: gl.constexpr):
+    def _regv_pv(k_stage, p_t, a0, a1, BH: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """Issue O^T += V^T P^T for one tile, its latent from k_stage through registers (_v_chunk), into the
-        in-flight accumulators a0 / a1 (REG_V row order); the caller waits."""
+        in-flight accumulators a0 / a1 (REG_V row order); the caller waits. At most IN_FLIGHT of the 4 chunks'
+        register operands (32 registers each) are held by wgmmas in flight."""
         for kk in gl.static_range(4):
+            if kk >= IN_FLIGHT:
+                a0, a1 = warpgroup_mma_wait(num_outstanding=2 * (IN_FLIGHT - 1), deps=(a0, a1))
             a_lo, a_hi = _v_chunk(k_stage, kk, BH)
             a0 = warpgroup_mma(a_lo, p_t.slice(16 * kk, 16, dim=0), a0, is_async=True)
             a1 = warpgroup_mma(a_hi, p_t.slice(16 * kk, 16, dim=0), a1, is_async=True)
@@ -225,7 +237,7 @@ if gd.gl is not None:
         row, split, h0, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr,
     ):
         """_few_consumer without a converter (REG_V, fp8): P.V takes the latent from the K stage through registers
         (_v_chunk), so no V16 ring is written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's
@@ -245,7 +257,7 @@ if gd.gl is not None:
             a0 = warpgroup_mma_init(acc0)
             a1 = warpgroup_mma_init(acc1)
             if it > 0:
-                a0, a1 = _regv_pv(k_lat_s.index((it + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH)
+                a0, a1 = _regv_pv(k_lat_s.index((it + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH, PV_IN_FLIGHT)
                 mbarrier.arrive(k_empty.index((it + K_STAGES - 1) % K_STAGES))
             bias = bias_s.index(stage).load(tok_layout)
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
@@ -256,7 +268,7 @@ if gd.gl is not None:
             fence_async_shared()
         if num_tiles > 0:
             a0, a1 = _regv_pv(k_lat_s.index((num_tiles - 1) % K_STAGES), p_t,
-                              warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH)
+                              warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH, PV_IN_FLIGHT)
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
         l_i = gl.sum(l_acc, axis=0)
         # back to latent order, 16 contiguous dims a thread (vector stores; the MMA order wrote 8x the sectors): row
@@ -472,6 +484,7 @@ if gd.gl is not None:
         NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         REG_V: gl.constexpr = False,  # fp8: P.V's latent from the K stage through registers (_regv_consumer)
+        PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         split = gl.program_id(1)
@@ -520,7 +533,7 @@ if gd.gl is not None:
                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                       row, split, h0, num_tiles, H, num_splits,
                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                      BH, K_STAGES)),
+                                      BH, K_STAGES, PV_IN_FLIGHT)),
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES)),
@@ -589,6 +602,11 @@ class FewHeadsParams:
     # (_regv_consumer); the gatherer is the one producer warpgroup (producer_regs), v_slots unused. H200, H = 16
     # / 12, 320 rows, tail-split: 131.6 / 130.5 µs at K ring 3 vs 140.2 / 138.5, but 12.1 vs 11.1 at 5 rows
     reg_v: bool = False
+    # reg_v: P.V chunks (16 tokens, 32 registers of A operand each) in flight at once; fewer fit a smaller
+    # register budget (ptxas serializes the wgmmas when they do not fit)
+    pv_in_flight: int = 4
+    # CTAs an SM the kernel is compiled for (maxnreg 65536 / (256 threads x this)); 2 needs reg_v and K ring 2
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
@@ -600,6 +618,14 @@ class FewHeadsParams:
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in [56, 256], got {self.producer_regs}")
+        if self.pv_in_flight not in (1, 2, 3, 4):
+            raise ValueError(f"pv_in_flight must be in 1..4, got {self.pv_in_flight}")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and not (self.reg_v and self.pv_in_flight <= 2
+                                          and self.smem_bytes() <= SMEM_PER_SM // 2 - 1024):
+            raise ValueError("ctas_per_sm=2 needs reg_v, pv_in_flight <= 2 (128 registers a thread at launch) and "
+                             f"half an SM's shared memory (k_stages=2), got {self}")
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
@@ -614,9 +640,17 @@ class FewHeadsParams:
         v16 = 0 if self.reg_v else self.v_slots * BLOCK_N * LATENT_DIM
         return q + self.k_stages * stage + v16 + BLOCK_H * BLOCK_N * 2 + 2048
 
-    def config(self) -> td.Config:
-        """The triton_decode.Config the split heuristic and the workspace see (one head block, 1 CTA an SM)."""
-        return few_heads_config()
+    def config(self, heads: int = BLOCK_H) -> td.Config:
+        """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
+        CTAs an SM the tile cost of this head count's blocks)."""
+        if self.ctas_per_sm == 1:
+            return few_heads_config()
+        return dataclasses.replace(few_heads_config(), ctas_per_sm=2,
+                                   tile_cost=TWO_CTA_TILE_COST[min(-(-heads // BLOCK_H), 2)])
+
+    def launch_options(self) -> dict[str, Any]:
+        """Compile options beside the constexprs: two CTAs an SM get half the register file each (reg_v: 8 warps)."""
+        return {"maxnreg": REGS_PER_SM // (8 * 32 * self.ctas_per_sm)} if self.ctas_per_sm > 1 else {}
 
 
 def nvfp4_params() -> FewHeadsParams:
@@ -628,12 +662,21 @@ def nvfp4_params() -> FewHeadsParams:
 # µs at 5 / 20 / 80 / 160 / 320 rows: default 11.1 / 18.7 / 49.1 / 77.2 / 140.2 and 10.8 / 18.3 / 48.2 / 76.6 /
 # 138.5; reg_v 12.1 / 19.1 / 48.0 / 74.0 / 131.6 and 11.6 / 18.0 / 46.5 / 72.9 / 130.5 (NOTES v14)
 REG_V_MIN_ROWS = 20
+# A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
+# 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
+# to the H200's tail-split times at K = 2048 (NOTES v15): µs a model tile 2.4-3.2 against 1.5-2.0 at H = 16 (12 row
+# counts, 5..320), 2.2-2.4 against 1.4-1.5 at H = 32 (10 row counts, 23..320); with these the model picks the faster
+# form at all 22 (the misses of one factor for both, 1.6, cost up to 2.7 µs).
+TWO_CTA_TILE_COST = {1: 1.7, 2: 1.5}
 # Versions on which reg_v passed its GPU tests (fp8, every head count): TritonDecode uses it only on these
 REG_V_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 
 
-def reg_v_params() -> FewHeadsParams:
-    """fp8 with P.V's latent through registers at its best K ring (3 of 2..5 measured)."""
+def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
+    """fp8 with P.V's latent through registers: one CTA an SM at its best K ring (3 of 2..5 measured), or two CTAs an
+    SM (K ring 2 each, two P.V chunks in flight, the gatherer 56 registers and the consumer 200)."""
+    if ctas_per_sm == 2:
+        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56)
     return FewHeadsParams(reg_v=True, k_stages=3)
 
 
@@ -648,7 +691,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, REG_V=params.reg_v)
+                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight)
 
 
 def reg_v_verified() -> bool:
@@ -667,7 +710,8 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
     no sync."""
     heads = query.shape[1]
     return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
-                            softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads))
+                            softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
+                            params.launch_options())
 
 
 def few_heads_sparse_mla_decode(

@@ -47,6 +47,9 @@ class Config:
     # False: every row split alike (choose_splits). On for every config: on the H200 never slower beyond spread, and
     # up to 18% faster at 80-320 rows (NOTES v11: both Gluon kernels and the `tl` configs, each in one run)
     tail_split: bool = True
+    # a tile's time at this config's occupancy, in tiles of the same kernel run one CTA an SM: what plan_cost weighs a
+    # plan's model cost by to choose between one kernel's occupancies (two CTAs an SM each take ~1.7x as long a tile)
+    tile_cost: float = 1.0
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
@@ -104,20 +107,30 @@ def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> i
     return _best_splits(rows, triton.cdiv(heads, cfg.block_h), tiles, cfg, sms * cfg.ctas_per_sm)[0]
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[int, int]:
     """(whole_rows, splits): the first whole_rows rows run unsplit in one launch, the others split `splits` ways in
     a second (whole_rows 0: one launch, as choose_splits). With cfg.tail_split, whole_rows may fill k full waves
     of the chip, so that only the last partial wave's rows pay for split partials and the combine: at 80 rows of
     64-head tiles on 132 SMs, 66 whole rows then 14 rows split 4 ways (40 tiles on the critical path, partials for
     28 CTA pairs) instead of every row split twice (48 tiles, partials for all 160)."""
+    return _plan_and_cost(rows, heads, width, cfg, sms)[0]
+
+
+def plan_cost(rows: int, heads: int, width: int, cfg: Config, sms: int) -> float:
+    """choose_plan's model cost of its plan in tiles of the kernel run one CTA an SM (cfg.tile_cost a tile): comparable
+    across occupancies of one kernel."""
+    return _plan_and_cost(rows, heads, width, cfg, sms)[1] * cfg.tile_cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan_and_cost(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[tuple[int, int], float]:
     head_blocks = triton.cdiv(heads, cfg.block_h)
     tiles = max(1, triton.cdiv(width, cfg.block_n))
     slots_per_wave = sms * cfg.ctas_per_sm
     splits, best_cost = _best_splits(rows, head_blocks, tiles, cfg, slots_per_wave)
     best = (0, splits)
     if not cfg.tail_split:
-        return best
+        return best, best_cost
     for waves in range(1, rows * head_blocks // slots_per_wave + 1):
         whole = waves * slots_per_wave // head_blocks  # rows whose head blocks fill `waves` waves, unsplit
         if not 0 < whole < rows:
@@ -127,7 +140,7 @@ def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tup
         cost = whole_cost + tail_cost + _LAUNCH_GAP
         if cost < best_cost - 1e-9:
             best, best_cost = (whole, tail_splits), cost
-    return best
+    return best, best_cost
 
 
 def plan_table(max_rows: int, heads: int, widths, cfg: Config, sms: int) -> dict[tuple[int, int], tuple[int, int]]:
@@ -714,10 +727,10 @@ class TritonDecode:
         # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params (same config and workspace), on
         # the Triton versions reg_v was verified on (or when asked for with VLLM_KIMI_DSA_GLUON=1)
         self.gluon: Any = None
-        self.gluon_large: Any = None
+        self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
         few = setup.heads <= 32
-        large, large_from = None, setup.max_rows + 1
+        large, large_from = (), setup.max_rows + 1
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
@@ -728,17 +741,29 @@ class TritonDecode:
                 verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
                 launch = gluon_few_heads.launch
                 if self.fmt == "fp8" and (want == "1" or gluon_few_heads.reg_v_verified()):
-                    large, large_from = gluon_few_heads.reg_v_params(), gluon_few_heads.REG_V_MIN_ROWS
+                    large = (gluon_few_heads.reg_v_params(), gluon_few_heads.reg_v_params(ctas_per_sm=2))
+                    large_from = gluon_few_heads.REG_V_MIN_ROWS
             if gluon_decode.gluon_available(setup.device) and (want == "1" or verified):
                 self.gluon, self.gluon_large = params, large
                 self.config = params.config()
                 self._gluon_launch = launch
-        self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config,
-                                 num_sms(torch.device(setup.device)))
-        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it
+        sms = num_sms(torch.device(setup.device))
+        self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config, sms)
+        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it. From
+        # large_from rows, the large params (reg_v at one or two CTAs an SM) whose plan the model costs least.
+        # kernel_params says which (the Gluon params; None: this file's kernel).
         small_launch = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
-        large_launch = small_launch if self.gluon_large is None else self._gluon_call(self.gluon_large)
-        self._launches = {key: large_launch if key[0] >= large_from else small_launch for key in self._plans}
+        self._launches = dict.fromkeys(self._plans, small_launch)
+        self.kernel_params: dict[tuple[int, int], Any] = dict.fromkeys(self._plans, self.gluon)
+        large_launches = [self._gluon_call(p) for p in self.gluon_large]
+        for rows, width in self._plans:
+            if rows >= large_from and self.gluon_large:
+                configs = [p.config(setup.heads) for p in self.gluon_large]
+                costs = [plan_cost(rows, setup.heads, width, c, sms) for c in configs]
+                best = costs.index(min(costs))
+                self._plans[rows, width] = choose_plan(rows, setup.heads, width, configs[best], sms)
+                self._launches[rows, width] = large_launches[best]
+                self.kernel_params[rows, width] = self.gluon_large[best]
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
                                         fmt=self.fmt, config=self.config, plans=self._plans)
 
