@@ -60,7 +60,13 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              "few-regv-2cta-p72": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
                                                    "producer_regs": 72},
                              "few-tail-regv-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
-                                                    "ctas_per_sm": 2, "producer_regs": 56, "tail_split": True}}
+                                                    "ctas_per_sm": 2, "producer_regs": 56, "tail_split": True},
+                             # P.V of tile it - 1 issued (its stage freed) before waiting for tile it
+                             "few-tail-regv-early": {"reg_v": True, "k_stages": 3, "pv_early": True,
+                                                     "tail_split": True},
+                             "few-tail-regv-2cta-early": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                                          "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True,
+                                                          "tail_split": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
 NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
 

@@ -51,17 +51,18 @@ class Case:
     reg_v: bool = False
     pv_in_flight: int = 4
     ctas_per_sm: int = 1
+    pv_early: bool = False
 
     def params(self) -> FewHeadsParams:
         # two CTAs an SM leave the gatherer 56 registers (the consumer 200)
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
                               split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v,
-                              pv_in_flight=self.pv_in_flight, ctas_per_sm=self.ctas_per_sm,
+                              pv_in_flight=self.pv_in_flight, ctas_per_sm=self.ctas_per_sm, pv_early=self.pv_early,
                               producer_regs=56 if self.ctas_per_sm == 2 else 96)
 
 
 def _case_id(c: Case) -> str:
-    regv = f"-regv-pv{c.pv_in_flight}-cta{c.ctas_per_sm}" if c.reg_v else ""
+    regv = f"-regv-pv{c.pv_in_flight}-cta{c.ctas_per_sm}{'-early' if c.pv_early else ''}" if c.reg_v else ""
     return (f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}"
             f"-cvt{c.cvt_rows}-sp{int(c.split_producer)}{regv}")
 
@@ -112,9 +113,12 @@ CASES = [
     Case(33, 20, 128, reg_v=True, k_stages=5),
     Case(7, 12, 2048, splits=2, reg_v=True, k_stages=3, pv_in_flight=2),
     # reg_v at two CTAs an SM (K ring 2, two P.V chunks in flight, 128 registers a thread at launch)
-    *(Case(r, h, w, splits=s, reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2)
-      for r, h, w, s in ((1, 16, 2048, 1), (5, 12, 2048, 3), (7, 16, 1024, None), (33, 12, 128, 1), (19, 1, 1024, 2),
-                         (320, 16, 2048, None), (320, 12, 2048, 1), (5, 32, 2048, 1), (33, 20, 128, None))),
+    *(Case(r, h, w, splits=s, reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, pv_early=e)
+      for r, h, w, s, e in ((1, 16, 2048, 1, True), (5, 12, 2048, 3, True), (7, 16, 1024, None, True),
+                            (33, 12, 128, 1, True), (19, 1, 1024, 2, True), (320, 16, 2048, None, True),
+                            (320, 12, 2048, 1, True), (5, 32, 2048, 1, True), (33, 20, 128, None, True),
+                            (7, 16, 1024, None, False), (320, 12, 2048, 1, False))),
+    Case(19, 12, 2048, splits=2, reg_v=True, k_stages=3, pv_early=True),
 ]
 
 # nvfp4_ds_mla

@@ -31,7 +31,9 @@ Two CTAs an SM (reg_v_params(2): reg_v, K ring 2, two P.V chunks in flight, comp
 gatherer gets 56 registers and the consumer 200; 84 KB of shared memory each): two independent consumer chains an SM,
 which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 320 rows 121.6 / 119.5 µs (0.76 /
 0.77 of copy) vs 131.6 / 130.8, H = 32 193.1 vs 232.1; slower below ~40 rows and at some middle sizes (its plans split
-more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15).
+more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15). pv_early
+(two CTAs, on PV_EARLY_VERIFIED_TRITON): P.V of tile it - 1 issued before the wait for tile it, freeing its stage one
+wait sooner (the K ring of 2 is what both warpgroups wait on): another 3-5% at 80-320 rows.
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
 `tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
@@ -237,7 +239,7 @@ if gd.gl is not None:
         row, split, h0, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
     ):
         """_few_consumer without a converter (REG_V, fp8): P.V takes the latent from the K stage through registers
         (_v_chunk), so no V16 ring is written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's
@@ -252,13 +254,17 @@ if gd.gl is not None:
         p_t = p_s.permute((1, 0))
         for it in range(num_tiles):
             stage = it % K_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
-            fence_async_shared()
+            if not PV_EARLY:
+                mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+                fence_async_shared()
             a0 = warpgroup_mma_init(acc0)
             a1 = warpgroup_mma_init(acc1)
             if it > 0:
                 a0, a1 = _regv_pv(k_lat_s.index((it + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH, PV_IN_FLIGHT)
                 mbarrier.arrive(k_empty.index((it + K_STAGES - 1) % K_STAGES))
+            if PV_EARLY:  # tile it - 1's stage is free before the wait for tile it
+                mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+                fence_async_shared()
             bias = bias_s.index(stage).load(tok_layout)
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
@@ -485,6 +491,7 @@ if gd.gl is not None:
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         REG_V: gl.constexpr = False,  # fp8: P.V's latent from the K stage through registers (_regv_consumer)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
+        PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         split = gl.program_id(1)
@@ -533,7 +540,7 @@ if gd.gl is not None:
                                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                       row, split, h0, num_tiles, H, num_splits,
                                       stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                      BH, K_STAGES, PV_IN_FLIGHT)),
+                                      BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES)),
@@ -607,6 +614,8 @@ class FewHeadsParams:
     pv_in_flight: int = 4
     # CTAs an SM the kernel is compiled for (maxnreg 65536 / (256 threads x this)); 2 needs reg_v and K ring 2
     ctas_per_sm: int = 1
+    # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
+    pv_early: bool = False
 
     def __post_init__(self) -> None:
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
@@ -668,15 +677,20 @@ REG_V_MIN_ROWS = 20
 # counts, 5..320), 2.2-2.4 against 1.4-1.5 at H = 32 (10 row counts, 23..320); with these the model picks the faster
 # form at all 22 (the misses of one factor for both, 1.6, cost up to 2.7 µs).
 TWO_CTA_TILE_COST = {1: 1.7, 2: 1.5}
+# Versions on which the two-CTA form's pv_early order passed its GPU tests (H200; 3-5% faster at 80-320 rows than
+# the two-CTA form without it, NOTES v15); elsewhere reg_v_params(2) keeps the order reg_v was verified with
+PV_EARLY_VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
 # Versions on which reg_v passed its GPU tests (fp8, every head count): TritonDecode uses it only on these
 REG_V_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 
 
 def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
     """fp8 with P.V's latent through registers: one CTA an SM at its best K ring (3 of 2..5 measured), or two CTAs an
-    SM (K ring 2 each, two P.V chunks in flight, the gatherer 56 registers and the consumer 200)."""
+    SM (K ring 2 each, two P.V chunks in flight, the gatherer 56 registers and the consumer 200, and P.V issued
+    before the wait for the next tile where that order was GPU-tested: PV_EARLY_VERIFIED_TRITON)."""
     if ctas_per_sm == 2:
-        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56)
+        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56,
+                              pv_early=gd._triton_is(PV_EARLY_VERIFIED_TRITON))
     return FewHeadsParams(reg_v=True, k_stages=3)
 
 
@@ -691,7 +705,7 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight)
+                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early)
 
 
 def reg_v_verified() -> bool:
