@@ -724,8 +724,9 @@ class TritonDecode:
         # <= 32 heads on Hopper: gluon_few_heads' kernel (transposed MMAs, a deep gather ring; 16-head blocks), fp8 or
         # nvfp4_ds_mla, under the same rules, with its own verified versions per format and head count.
         # Elsewhere (nvfp4 at > 32 heads, unverified versions) this file's kernel.
-        # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params (same config and workspace), on
-        # the Triton versions reg_v was verified on (or when asked for with VLLM_KIMI_DSA_GLUON=1)
+        # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params at one or two CTAs an SM (same
+        # tile shape; one workspace sized from all the plans), on the Triton versions reg_v was verified on (or when
+        # asked for with VLLM_KIMI_DSA_GLUON=1)
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
@@ -756,12 +757,12 @@ class TritonDecode:
         self._launches = dict.fromkeys(self._plans, small_launch)
         self.kernel_params: dict[tuple[int, int], Any] = dict.fromkeys(self._plans, self.gluon)
         large_launches = [self._gluon_call(p) for p in self.gluon_large]
+        large_configs = [p.config(setup.heads) for p in self.gluon_large]
         for rows, width in self._plans:
             if rows >= large_from and self.gluon_large:
-                configs = [p.config(setup.heads) for p in self.gluon_large]
-                costs = [plan_cost(rows, setup.heads, width, c, sms) for c in configs]
+                costs = [plan_cost(rows, setup.heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
-                self._plans[rows, width] = choose_plan(rows, setup.heads, width, configs[best], sms)
+                self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
                 self._launches[rows, width] = large_launches[best]
                 self.kernel_params[rows, width] = self.gluon_large[best]
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
