@@ -138,11 +138,12 @@ NVFP4_CASES = [
 ]
 
 
-def _params(fmt: str, reg_v: bool = False) -> FewHeadsParams:
-    """The default params of a format, or (fp8) the reg_v option at its best ring (K 3)."""
+def _params(fmt: str, reg_v: bool | int = False) -> FewHeadsParams:
+    """The default params of a format, or (fp8) the reg_v option at one CTA an SM (reg_v True or 1: K ring 3) or
+    two (reg_v 2)."""
     if fmt == "nvfp4_ds_mla":
         return nvfp4_params()
-    return reg_v_params() if reg_v else FewHeadsParams()
+    return reg_v_params(int(reg_v)) if reg_v else FewHeadsParams()
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
@@ -228,10 +229,11 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
 
 @GPU
 @pytest.mark.parametrize("fmt,splits,heads,reg_v", [
-    pytest.param(f, s, h, r, id=f"{f}-s{s}-h{h}{'-regv' if r else ''}")
+    pytest.param(f, s, h, r, id=f"{f}-s{s}-h{h}{f'-regv{int(r)}' if r else ''}")
     for f, s, h, r in (("fp8", 1, 12, False), ("fp8", 4, 12, False), ("nvfp4_ds_mla", 3, 12, False),
-                       ("fp8", 2, 24, False), ("fp8", 4, 12, True), ("fp8", 2, 24, True))])
-def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool) -> None:
+                       ("fp8", 2, 24, False), ("fp8", 4, 12, True), ("fp8", 2, 24, True), ("fp8", 4, 12, 2),
+                       ("fp8", 2, 24, 2))])
+def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
@@ -250,14 +252,15 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool) -> No
 
 @GPU
 @pytest.mark.parametrize("fmt,heads,rows,reg_v", [("fp8", 16, 160, False), ("fp8", 32, 80, False),
-                                                  ("nvfp4_ds_mla", 12, 320, False), ("fp8", 12, 320, True)])
-def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool) -> None:
+                                                  ("nvfp4_ds_mla", 12, 320, False), ("fp8", 12, 320, True),
+                                                  ("fp8", 12, 320, 2), ("fp8", 32, 160, 2)])
+def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool | int) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices; count-0 rows at the seam."""
     from vllm_kimi_dsa.kernels import gluon_few_heads
 
     params = _params(fmt, reg_v)
-    _check(*run_tail_split_plan(lambda *a: gluon_few_heads.launch(*a, params), few_heads_config(), rows, heads,
+    _check(*run_tail_split_plan(lambda *a: gluon_few_heads.launch(*a, params), params.config(heads), rows, heads,
                                 seed=7 + rows, fmt=fmt), fmt=fmt)
 
 
