@@ -33,6 +33,7 @@ from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_few_heads import launch as few_heads_launch  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_few_heads import launch_stream, stream_entries  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
@@ -66,7 +67,11 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                                                      "tail_split": True},
                              "few-tail-regv-2cta-early": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                                           "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True,
-                                                          "tail_split": True}}
+                                                          "tail_split": True},
+                             # the stream-K grid (launch_stream) on the two-CTA form, and on one CTA an SM
+                             "few-stream-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
+                                                 "producer_regs": 56, "pv_early": True, "stream": True},
+                             "few-stream-regv": {"reg_v": True, "k_stages": 3, "stream": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
 NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
 
@@ -95,6 +100,11 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     params = _params(name)
+    if params.stream:  # its own workspace (the partial entries of one wave of CTAs), made before timing
+        heads, sms = q.shape[1], td.num_sms(q.device)
+        ws = td.make_workspace(q.device, heads=heads, max_rows=q.shape[0], widths=(slots.shape[1],),
+                               config=params.config(heads), min_entries=stream_entries(heads, params, sms))
+        return lambda: launch_stream(q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws, params)
     if kernel_params(VARIANTS[name])[1]:
         return tail_split_call(lambda *a: few_heads_launch(*a, params), params.config(), q, kv, slots, counts, out,
                                lse, ws)

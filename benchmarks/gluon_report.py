@@ -61,6 +61,8 @@ def compile_gluon(kernel: str = "gluon", **overrides):
     params = params_cls(**overrides)
     consts = g.kernel_constexprs(params, heads) if heads else g.kernel_constexprs(params)
     sig = dict(SIGNATURE)
+    if kernel == "few":  # its stream-K arguments (unused unless STREAM), in the kernel's argument order
+        sig = {n: sig.get(n, "i32") for n in fn.arg_names if n in sig or n in ("U", "TPC")}
     if overrides.get("nvfp4"):
         sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8
     sig.update({k: "constexpr" for k in consts})

@@ -14,6 +14,7 @@ on the faults a wrong nvfp4 layout would make.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -28,8 +29,10 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import (
     FewHeadsParams,
     few_heads_config,
     few_heads_sparse_mla_decode,
+    launch_stream,
     nvfp4_params,
     reg_v_params,
+    stream_entries,
 )
 from vllm_kimi_dsa.reference import reference_decode
 
@@ -248,6 +251,68 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int)
 
     replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22, fmt=fmt)[:4], out, lse)
     _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
+
+
+def _stream_pieces(rows: int, tiles: int, ctas: int):
+    """The segments a stream-K launch's CTAs take, as _regv_stream_consumer walks them: (cta, row, first tile, end
+    tile, whole row, piece 0 / 1)."""
+    units = rows * tiles
+    per = -(-units // ctas)
+    for cta in range(ctas):
+        u, end = cta * per, min(units, (cta + 1) * per)
+        first_row = u // tiles
+        while u < end:
+            row = u // tiles
+            seg_end = min(end, (row + 1) * tiles)
+            yield cta, row, u - row * tiles, seg_end - row * tiles, seg_end - u == tiles, int(row != first_row)
+            u = seg_end
+
+
+@pytest.mark.parametrize("ctas", [5, 13, 30])
+def test_stream_combine_merges_the_pieces(ctas: int) -> None:
+    """triton_decode.stream_combine (the interpreter on a CPU) against the reference: each CTA's piece of a row as the
+    stream-K kernel writes it (the reference over the piece's tiles: normalized O and base-2 LSE at entry
+    2 cta + piece), whole rows written to out directly. 6 rows of 4 tiles over 5 / 13 / 30 CTAs: pieces misaligned
+    with the rows, two a row, four a row (one tile each); count-0, 1-token and all-hole rows among them."""
+    rows, heads, width = 6, 12, 256
+    tiles = width // 64
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31)
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,),
+                                      config=few_heads_config(), min_entries=2 * ctas * heads)
+    ws.part_out.fill_(float("nan"))
+    out, lse = _poisoned(rows, heads)
+    for cta, row, t0, t1, whole, piece in _stream_pieces(rows, tiles, ctas):
+        seg_count = (counts[row:row + 1] - 64 * t0).clamp(0, 64 * (t1 - t0))
+        o, l_nat = reference_decode(q[row:row + 1], kv, slots[row:row + 1, 64 * t0:64 * t1].contiguous(), seg_count,
+                                    fmt="fp8", softmax_scale=ss, output_scale=os_)
+        if whole:
+            out[row], lse[row] = o[0].to(out.dtype), l_nat[0]
+        else:
+            entry = (2 * cta + piece) * heads
+            ws.part_out.view(-1, 512)[entry:entry + heads] = o[0] / os_
+            ws.part_lse[entry:entry + heads] = l_nat[0] / math.log(2.0)
+    triton_decode.stream_combine(ws, out, lse, tiles, -(-rows * tiles // ctas), os_)
+    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, wgmma=False)
+
+
+@GPU
+@pytest.mark.parametrize("rows,heads,width,ctas_per_sm", [
+    (1, 16, 2048, 2), (5, 12, 2048, 2), (7, 16, 1024, 2), (33, 12, 128, 2), (19, 1, 1024, 2), (80, 16, 2048, 2),
+    (160, 32, 2048, 2), (264, 16, 2048, 2), (320, 12, 2048, 2), (37, 16, 2048, 1), (45, 24, 1024, 1)])
+def test_stream_matches_reference(rows: int, heads: int, width: int, ctas_per_sm: int) -> None:
+    """The stream-K form (launch_stream, reg_v at one or two CTAs an SM) against the reference: rows split between
+    CTAs at every alignment, holes, count-0 / 1-token / all-hole rows, poisoned outputs. PREPARED: not yet run on a
+    GPU when written (NOTES v15)."""
+    import dataclasses
+
+    params = dataclasses.replace(reg_v_params(ctas_per_sm), stream=True)
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=40 + rows)
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), config=params.config(heads),
+                                      min_entries=stream_entries(heads, params, triton_decode.num_sms(DEVICE)))
+    out, lse = _poisoned(rows, heads)
+    launch_stream(q, kv, slots, counts, out, lse, ss, os_, ws, params)
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
 @GPU

@@ -67,10 +67,12 @@ _NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._t
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                         "ctas_per_sm": 2, "producer_regs": 56},
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
-                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True}],
+                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True, "stream": True}],
                          ids=["default", "block_n_32", "few_heads", "few_heads_one_producer",
                               "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v", "few_heads_reg_v_two_ctas",
-                              "few_heads_reg_v_two_ctas_pv_early"])
+                              "few_heads_reg_v_two_ctas_pv_early", "few_heads_reg_v_two_ctas_stream"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel (64- and 32-token tiles); the few-heads kernel with two producer
     warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
@@ -89,7 +91,9 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
         assert s["consumer_loops"] == 1, f"consumer loops: {s['consumer_loops']}"
         assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
     if overrides.get("ctas_per_sm") == 2:  # two CTAs fit an SM: half its registers and shared memory each
-        assert s["regs_launch"] <= 128 and s["shared"] + 1024 <= 114 * 1024 and s["spill_stores"] == 0, s
+        # (stream-K: a few scalars of the segment loop spill, outside the tile loop: 24 B on Triton 3.6)
+        spill_ok = s["spill_stores"] <= 64 if overrides.get("stream") else s["spill_stores"] == 0
+        assert s["regs_launch"] <= 128 and s["shared"] + 1024 <= 114 * 1024 and spill_ok, s
 
 
 @_NEEDS_GLUON

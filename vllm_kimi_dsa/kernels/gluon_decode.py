@@ -285,6 +285,21 @@ if gl is not None:
         return gl.load(s_base + offs, mask=offs < end, other=-1)
 
     @gluon.jit
+    def _tile_slots(slots_ptr, s_base, start, end, t, stride_s_row, counts_ptr, u_end, T, K,
+                    BLOCK_N: gl.constexpr, STREAM: gl.constexpr):
+        """Tile t's slots: of the token range [start, end) of one row; STREAM: of work unit start + t of a stream-K
+        range, i.e. row (start + t) // T's tile (start + t) % T (all -1 at or past unit u_end)."""
+        if STREAM:
+            u = start + t
+            row = gl.minimum(u, u_end - 1) // T
+            count = gl.minimum(gl.maximum(gl.load(counts_ptr + row), 0), K)
+            count = gl.where(u < u_end, count, 0)
+            return _load_slots(slots_ptr + row.to(gl.int64) * stride_s_row, (u - row * T) * BLOCK_N, count, 0,
+                               BLOCK_N)
+        else:
+            return _load_slots(s_base, start, end, t, BLOCK_N)
+
+    @gluon.jit
     def _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
                      K_STAGES: gl.constexpr):
         """cp.async tile it's rows (zero-filled holes and tokens past the split, so V is finite) into its K stage,
@@ -393,25 +408,33 @@ if gl is not None:
         k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
+        counts_ptr=None, u_end=0, T=1, K=0, STREAM: gl.constexpr = False,
     ):
         """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
         cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
         group's loads are issued right after the previous group's first gather, so the first use of a group waits
         on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
         waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
-        the `slot >= 0` test took 17% of the kernel's stall samples (ncu, NOTES v12)."""
+        the `slot >= 0` test took 17% of the kernel's stall samples (ncu, NOTES v12).
+
+        STREAM (a stream-K range of work units, gluon_few_heads): start is the range's first unit, num_tiles its
+        length, u_end its end; each unit's row and count come from its index (_tile_slots); row and end are unused."""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        slot0 = _load_slots(s_base, start, end, 0, BLOCK_N)
-        slot1 = _load_slots(s_base, start, end, 1, BLOCK_N)
-        slot2 = _load_slots(s_base, start, end, 2, BLOCK_N)
-        slot3 = _load_slots(s_base, start, end, 3, BLOCK_N)
+        slot0 = _tile_slots(slots_ptr, s_base, start, end, 0, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
+        slot1 = _tile_slots(slots_ptr, s_base, start, end, 1, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
+        slot2 = _tile_slots(slots_ptr, s_base, start, end, 2, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
+        slot3 = _tile_slots(slots_ptr, s_base, start, end, 3, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
         for g in range(0, num_tiles, 4):
             _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, g, stride_kv, K_STAGES, sc_s,
                         NVFP4)
-            next0 = _load_slots(s_base, start, end, g + 4, BLOCK_N)
-            next1 = _load_slots(s_base, start, end, g + 5, BLOCK_N)
-            next2 = _load_slots(s_base, start, end, g + 6, BLOCK_N)
-            next3 = _load_slots(s_base, start, end, g + 7, BLOCK_N)
+            next0 = _tile_slots(slots_ptr, s_base, start, end, g + 4, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
+                                STREAM)
+            next1 = _tile_slots(slots_ptr, s_base, start, end, g + 5, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
+                                STREAM)
+            next2 = _tile_slots(slots_ptr, s_base, start, end, g + 6, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
+                                STREAM)
+            next3 = _tile_slots(slots_ptr, s_base, start, end, g + 7, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
+                                STREAM)
             if g + 1 < num_tiles:
                 _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot1, g + 1, stride_kv, K_STAGES,
                             sc_s, NVFP4)
@@ -598,10 +621,10 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
 
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
                   output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any],
-                  options: dict[str, Any] | None = None) -> Any:
+                  options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None) -> Any:
     """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
-    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments; options
-    are compile options (maxnreg) beside num_warps."""
+    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments (extra_args:
+    a kernel's own, by name); options are compile options (maxnreg) beside num_warps."""
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
     compiled = kernel[(head_blocks, splits, rows)](
@@ -611,6 +634,7 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
+        **(extra_args or {}),
         **constexprs,
         num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
         **(options or {}),

@@ -33,7 +33,9 @@ which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 
 0.77 of copy) vs 131.6 / 130.8, H = 32 193.1 vs 232.1; slower below ~40 rows and at some middle sizes (its plans split
 more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15). pv_early
 (two CTAs, on PV_EARLY_VERIFIED_TRITON): P.V of tile it - 1 issued before the wait for tile it, freeing its stage one
-wait sooner (the K ring of 2 is what both warpgroups wait on): another 3-5% at 80-320 rows.
+wait sooner (the K ring of 2 is what both warpgroups wait on): another 3-5% at 80-320 rows. stream (reg_v;
+launch_stream; PREPARED, NOT YET GPU-RUN, no kernel choice uses it): a stream-K grid of exactly the chip's slots, each
+CTA an even share of the batch's rows x tiles (_stream_body, _regv_stream_consumer, triton_decode.stream_combine).
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
 `tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
@@ -233,17 +235,16 @@ if gd.gl is not None:
         return a0, a1
 
     @gluon.jit
-    def _regv_consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, num_tiles, H, num_splits,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
+    def _regv_tiles(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty, j0, num_tiles, qk_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
+        RELEASE_LAST: gl.constexpr,
     ):
-        """_few_consumer without a converter (REG_V, fp8): P.V takes the latent from the K stage through registers
-        (_v_chunk), so no V16 ring is written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's
-        stage is held until its P.V operands are loaded in iteration it, then released (k_empty counts 1)."""
+        """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a row's tiles, or a stream-K segment's): Q.K,
+        the online softmax and P.V with the latent from the K stage through registers (_v_chunk), so no V16 ring is
+        written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's stage is held until its P.V
+        operands are loaded in iteration it, then released (k_empty counts 1); RELEASE_LAST also releases the last
+        tile's (a stream-K range goes on with the ring). Returns (acc0, acc1, m_i, l_acc), every wgmma retired."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -253,17 +254,18 @@ if gd.gl is not None:
         q_rope_t = q_rope_s.permute((1, 0))
         p_t = p_s.permute((1, 0))
         for it in range(num_tiles):
-            stage = it % K_STAGES
+            j = j0 + it
+            stage = j % K_STAGES
             if not PV_EARLY:
-                mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+                mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
                 fence_async_shared()
             a0 = warpgroup_mma_init(acc0)
             a1 = warpgroup_mma_init(acc1)
             if it > 0:
-                a0, a1 = _regv_pv(k_lat_s.index((it + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH, PV_IN_FLIGHT)
-                mbarrier.arrive(k_empty.index((it + K_STAGES - 1) % K_STAGES))
+                a0, a1 = _regv_pv(k_lat_s.index((j + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH, PV_IN_FLIGHT)
+                mbarrier.arrive(k_empty.index((j + K_STAGES - 1) % K_STAGES))
             if PV_EARLY:  # tile it - 1's stage is free before the wait for tile it
-                mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
+                mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
                 fence_async_shared()
             bias = bias_s.index(stage).load(tok_layout)
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
@@ -273,17 +275,72 @@ if gd.gl is not None:
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
         if num_tiles > 0:
-            a0, a1 = _regv_pv(k_lat_s.index((num_tiles - 1) % K_STAGES), p_t,
-                              warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH, PV_IN_FLIGHT)
+            last = (j0 + num_tiles - 1) % K_STAGES
+            a0, a1 = _regv_pv(k_lat_s.index(last), p_t, warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH,
+                              PV_IN_FLIGHT)
+            if RELEASE_LAST:
+                mbarrier.arrive(k_empty.index(last))
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
+        return acc0, acc1, m_i, l_acc
+
+    @gluon.jit
+    def _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+                       BH: gl.constexpr):
+        """_few_epilogue for REG_V's accumulators: O^T back to latent order, 16 contiguous dims a thread (vector
+        stores; the MMA order wrote 8x the sectors): row i = 64 m + 16 w + 8 h + r of acc0 / acc1 (half) is dim
+        128 w + 16 r + 8 half + 2 m + h."""
         l_i = gl.sum(l_acc, axis=0)
-        # back to latent order, 16 contiguous dims a thread (vector stores; the MMA order wrote 8x the sectors): row
-        # i = 64 m + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h
         o = gl.reshape(gl.join(acc0, acc1), [4, 4, 2, 8, BH, 2])
         o = gl.convert_layout(gl.reshape(gl.permute(o, (1, 3, 5, 0, 2, 4)), [512, BH]), _O_STORE_LAYOUT)
         _few_epilogue(o, o, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                       BH, False, True)
+
+    @gluon.jit
+    def _regv_consumer(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, h0, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
+    ):
+        """_few_consumer without a converter (REG_V, fp8): _regv_tiles over this split's tiles, then the epilogue."""
+        acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+                                             0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY, False)
+        _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
+
+    @gluon.jit
+    def _regv_stream_consumer(
+        q_ptr, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        cta, u0, u1, T, h0, H, stride_q_row, stride_q_head,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
+    ):
+        """REG_V over a stream-K range of work units u0 .. u1 - 1 (unit u: row u // T's tile u % T), one segment a
+        row: Q of the row into shared memory, _regv_tiles (the K ring goes on across segments), then the epilogue:
+        a whole row to `out`; a piece of a row to partial slot 2 cta (the range's first row) or 2 cta + 1 (its last),
+        which triton_decode.stream_combine finds from the same arithmetic."""
+        first_row = u0 // T
+        seg = u0
+        while seg < u1:
+            row = seg // T
+            seg_end = gl.minimum(u1, (row + 1) * T)
+            _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
+            fence_async_shared()
+            acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready,
+                                                 k_empty, seg - u0, seg_end - seg, qk_scale,
+                                                 BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY, True)
+            whole = (seg == row * T) & (seg_end == (row + 1) * T)
+            # (row, split, num_splits) for _few_epilogue: the row itself unsplit, or partial entry 2 cta + piece
+            _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                           gl.where(whole, row, cta), gl.where(row == first_row, 0, 1), h0, H,
+                           gl.where(whole, 1, 2), stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
+            seg = seg_end
 
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
@@ -371,6 +428,19 @@ if gd.gl is not None:
             mbarrier.init(k_ready.index(i), count=129)
             mbarrier.init(k_empty.index(i), count=K_EMPTY)
         return p_s, bias_s, k_ready, k_empty
+
+    @gluon.jit
+    def _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH: gl.constexpr):
+        """Heads h0 .. h0 + BH of a row's query (e4m3 as is; padded heads 0) into q_lat_s / q_rope_s (the caller
+        fences before a wgmma reads them)."""
+        q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        q_row = q_ptr + row.to(gl.int64) * stride_q_row
+        q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
+                        + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
+                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_lat_s.store(q_lat)
+        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
 
     @gluon.jit
     def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
@@ -474,6 +544,48 @@ if gd.gl is not None:
         )
 
     @gluon.jit
+    def _alloc_fp8_q_and_ring(BH: gl.constexpr, K_STAGES: gl.constexpr):
+        """Q (latent, RoPE) and the K ring's stages for fp8 rows, as wgmma operands (128- / 64-byte swizzles)."""
+        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
+        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
+        return q_lat_s, q_rope_s, k_lat_s, k_rope_s
+
+    @gluon.jit
+    def _stream_body(
+        q_ptr, kv_ptr, slots_ptr, counts_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        cta, h0, H, K, U, TPC, stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PV_IN_FLIGHT: gl.constexpr,
+        PV_EARLY: gl.constexpr,
+    ):
+        """few_heads_kernel with STREAM (fp8, REG_V): this CTA's units cta x TPC .. min(U, (cta + 1) x TPC) - 1 of
+        the batch's rows x T (T = K / 64 tiles a row, every tile of the width: tiles past a row's count cost an
+        iteration of -inf bias), gathered by gluon_decode._gatherer (STREAM) and taken by _regv_stream_consumer."""
+        T = gl.cdiv(K, _BN)
+        u0 = cta * TPC
+        u1 = gl.minimum(u0 + TPC, U)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(BH, K_STAGES)
+        p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
+        gl.warp_specialize(
+            [
+                (_regv_stream_consumer, (q_ptr, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+                                         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                         cta, u0, u1, T, h0, H, stride_q_row, stride_q_head,
+                                         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                         BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
+                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                                kv_ptr, slots_ptr, cta, u0, u1, gl.maximum(u1 - u0, 0), stride_kv, stride_s_row,
+                                _BN, K_STAGES, None, False, counts_ptr, u1, T, K, True)),
+            ],
+            [4],
+            [PRODUCER_REGS],
+        )
+
+    @gluon.jit
     def few_heads_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -481,6 +593,7 @@ if gd.gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
+        U, TPC,  # STREAM: the batch's work units (rows x tiles of K) and units a CTA; else unused
         BH: gl.constexpr,  # heads a CTA, the wgmma N (BLOCK_H; padded heads are zero queries, masked at the store)
         K_STAGES: gl.constexpr,
         V_SLOTS: gl.constexpr,
@@ -492,14 +605,22 @@ if gd.gl is not None:
         REG_V: gl.constexpr = False,  # fp8: P.V's latent from the K stage through registers (_regv_consumer)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
+        STREAM: gl.constexpr = False,  # REG_V: grid (head blocks, CTAs), a stream-K range of units a CTA
     ):
-        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
+        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH; STREAM: one (head
+        block, CTA) over units TPC x CTA .. (_stream_body)."""
         split = gl.program_id(1)
         row = gl.program_id(2)
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:
             h0 = 0
+        if STREAM:
+            _stream_body(q_ptr, kv_ptr, slots_ptr, counts_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                         split, h0, H, K, U, TPC, stride_q_row, stride_q_head, stride_kv, stride_s_row,
+                         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                         BH, K_STAGES, PRODUCER_REGS, PV_IN_FLIGHT, PV_EARLY)
+            return
 
         start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
         if NVFP4:
@@ -510,26 +631,14 @@ if gd.gl is not None:
                                BH, K_STAGES, V_SLOTS, CVT_ROWS)
             return
 
-        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
-        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
-        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
-        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(BH, K_STAGES)
         if REG_V:  # no V16 ring: the consumers alone free a stage
             p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
         else:
             v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
 
-        # Q (BH heads x 576 e4m3; padded heads 0) into shared memory, by this (consumer) warpgroup
-        q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
-        q_row = q_ptr + row.to(gl.int64) * stride_q_row
-        q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
-                        + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
-                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
-        q_lat_s.store(q_lat)
-        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
+        # Q into shared memory, by this (consumer) warpgroup
+        _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
         fence_async_shared()
 
         # (the consumer's arguments are spelled out in each call: a tuple variable loses its constexprs)
@@ -616,6 +725,9 @@ class FewHeadsParams:
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
+    # reg_v: a stream-K grid (launch_stream): exactly the chip's slots, each CTA an even share of the batch's
+    # rows x tiles, rows split only where a share ends. PREPARED, NOT YET GPU-RUN (NOTES v15): no kernel choice uses it
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
@@ -635,6 +747,8 @@ class FewHeadsParams:
                                           and self.smem_bytes() <= SMEM_PER_SM // 2 - 1024):
             raise ValueError("ctas_per_sm=2 needs reg_v, pv_in_flight <= 2 (128 registers a thread at launch) and "
                              f"half an SM's shared memory (k_stages=2), got {self}")
+        if self.stream and not self.reg_v:
+            raise ValueError("stream needs reg_v")
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
@@ -705,7 +819,8 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early)
+                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early,
+                STREAM=params.stream)
 
 
 def reg_v_verified() -> bool:
@@ -723,9 +838,51 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
     """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
     no sync."""
     heads = query.shape[1]
+    if params.stream:
+        raise ValueError("params.stream runs through launch_stream")
     return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
-                            params.launch_options())
+                            params.launch_options(), {"U": 0, "TPC": 0})
+
+
+def stream_shape(rows: int, heads: int, width: int, params: FewHeadsParams, sms: int) -> tuple[int, int, int]:
+    """(CTAs a head block, units, units a CTA) of a stream-K launch: one wave of the chip's slots shared by the head
+    blocks; units are rows x 64-token tiles of the width."""
+    ctas = max(1, sms * params.ctas_per_sm // -(-heads // BLOCK_H))
+    units = rows * -(-width // BLOCK_N)
+    return ctas, units, max(1, -(-units // ctas))
+
+
+def stream_entries(heads: int, params: FewHeadsParams, sms: int) -> int:
+    """Partial entries a stream-K launch writes at most: two a CTA (its range's first and last rows) a head."""
+    return 2 * stream_shape(1, heads, BLOCK_N, params, sms)[0] * heads
+
+
+def launch_stream(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
+                  ws: td.Workspace, params: FewHeadsParams) -> Any:
+    """The stream-K form (params.stream): grid (head blocks, CTAs), each CTA an even share of the rows x tiles; rows
+    split between CTAs are merged by triton_decode.stream_combine. Inputs already checked; ws holds
+    stream_entries(heads, params, sms) partial entries. PREPARED, NOT YET GPU-RUN (NOTES v15)."""
+    rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
+    ctas, units, per_cta = stream_shape(rows, heads, width, params, td.num_sms(query.device))
+    if ws.capacity < 2 * ctas * heads or rows > ws.max_rows or heads != ws.heads:
+        raise ValueError(f"workspace holds {ws.capacity} partial entries for rows <= {ws.max_rows}, heads {ws.heads}; "
+                         f"this call needs {2 * ctas * heads} (stream_entries), rows {rows}, heads {heads}")
+    lse_t = lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
+    compiled = few_heads_kernel[(-(-heads // BLOCK_H), ctas, 1)](
+        query, kv_rows, slots, counts,
+        out, lse_t, ws.part_out, ws.part_lse,
+        heads, width, 1,
+        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
+        out.stride(0), out.stride(1), lse_t.stride(0),
+        softmax_scale * gd.LOG2E, output_scale,
+        units, per_cta,
+        **kernel_constexprs(params, heads),
+        num_warps=4,
+        **params.launch_options(),
+    )
+    td.stream_combine(ws, out, lse_t, -(-width // BLOCK_N), per_cta, output_scale)
+    return compiled
 
 
 def few_heads_sparse_mla_decode(

@@ -523,9 +523,36 @@ def _combine_kernel(
     h = tl.program_id(0)
     row = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
-    mask_s = offs_s < num_splits
-    offs_d = tl.arange(0, D)
     idx = (row * num_splits + offs_s) * H + h
+    _merge_partials(part_out_ptr, part_lse_ptr, idx, offs_s < num_splits, out_ptr, lse_ptr, row, h,
+                    stride_o_row, stride_o_head, stride_lse_row, out_scale, D)
+
+
+@triton.jit
+def _stream_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    H, T, TPC, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+    PIECES: tl.constexpr, D: tl.constexpr,
+):
+    """A stream-K launch's rows split between CTAs (units row T .. row T + T - 1, TPC a CTA): CTA c's piece of the
+    row is partial entry 2 c if the row is the first of c's range, else 2 c + 1 (gluon_few_heads'
+    _regv_stream_consumer). A row inside one CTA's range was written whole by it and is left alone."""
+    h = tl.program_id(0)
+    row = tl.program_id(1)
+    first = (row * T) // TPC
+    last = ((row + 1) * T - 1) // TPC
+    if first != last:
+        cta = first + tl.arange(0, PIECES)
+        idx = (2 * cta + tl.where((cta * TPC) // T == row, 0, 1)) * H + h
+        _merge_partials(part_out_ptr, part_lse_ptr, idx, cta <= last, out_ptr, lse_ptr, row, h,
+                        stride_o_row, stride_o_head, stride_lse_row, out_scale, D)
+
+
+@triton.jit
+def _merge_partials(part_out_ptr, part_lse_ptr, idx, mask_s, out_ptr, lse_ptr, row, h,
+                    stride_o_row, stride_o_head, stride_lse_row, out_scale, D: tl.constexpr):
+    """Merge the partials at entries idx (mask_s: which are real) by their base-2 LSEs into out[row, h], lse[row, h]."""
+    offs_d = tl.arange(0, D)
     lse2 = tl.load(part_lse_ptr + idx, mask=mask_s, other=float("-inf"))
     m = tl.max(lse2, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -564,9 +591,11 @@ def make_workspace(
     fmt: CacheFormat = "fp8",
     config: Config | None = None,
     plans: dict[tuple[int, int], tuple[int, int]] | None = None,
+    min_entries: int = 0,
 ) -> Workspace:
     """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
-    them when the caller has it already (else made here)."""
+    them when the caller has it already (else made here); min_entries: at least this many partial entries (a
+    stream-K launch's, gluon_few_heads.stream_entries)."""
     device = torch.device(device)
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
@@ -575,7 +604,7 @@ def make_workspace(
     if plans is None:
         cfg = config or default_config(heads, normalize_format(fmt))
         plans = plan_table(max_rows, heads, widths, cfg, num_sms(device))
-    need = 1
+    need = max(1, min_entries)
     for (r, _), (whole, s) in plans.items():
         if s > 1:
             need = max(need, (r - whole) * s * heads)
@@ -631,6 +660,18 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
             SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM,
             num_warps=4,
         )
+
+
+def stream_combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tiles: int, per_cta: int,
+                   output_scale: float) -> None:
+    """Merge the partials of a stream-K launch (rows of `tiles` units, per_cta units a CTA) into out and lse_t."""
+    rows, heads = out.shape[0], out.shape[1]
+    _stream_combine_kernel[(heads, rows)](
+        ws.part_out, ws.part_lse, out, lse_t,
+        heads, tiles, per_cta, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
+        PIECES=triton.next_power_of_2(min(tiles, (tiles - 1) // per_cta + 2)), D=LATENT_DIM,
+        num_warps=4,
+    )
 
 
 def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config, splits: int):
