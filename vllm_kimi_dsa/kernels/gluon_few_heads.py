@@ -864,6 +864,8 @@ def launch_stream(query, kv_rows, slots, counts, out, lse, softmax_scale: float,
     split between CTAs are merged by triton_decode.stream_combine. Inputs already checked; ws holds
     stream_entries(heads, params, sms) partial entries. PREPARED, NOT YET GPU-RUN (NOTES v15)."""
     rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
+    if rows == 0:  # no units: the gatherer's first unit would read counts[-1]
+        return None
     ctas, units, per_cta = stream_shape(rows, heads, width, params, td.num_sms(query.device))
     if ws.capacity < 2 * ctas * heads or rows > ws.max_rows or heads != ws.heads:
         raise ValueError(f"workspace holds {ws.capacity} partial entries for rows <= {ws.max_rows}, heads {ws.heads}; "
