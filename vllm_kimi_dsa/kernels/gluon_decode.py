@@ -627,10 +627,22 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
     a kernel's own, by name); options are compile options (maxnreg) beside num_warps."""
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
-    compiled = kernel[(head_blocks, splits, rows)](
+    compiled = call_kernel(kernel, (head_blocks, splits, rows), query, kv_rows, slots, counts, out, lse_t,
+                           softmax_scale, output_scale, ws, splits, constexprs, options, extra_args)
+    td.combine(ws, out, lse_t, splits, output_scale)
+    return compiled
+
+
+def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, counts, out, lse_t,
+                softmax_scale: float, output_scale: float, ws: td.Workspace, splits: int,
+                constexprs: dict[str, Any], options: dict[str, Any] | None = None,
+                extra_args: dict[str, Any] | None = None) -> Any:
+    """One launch of a Gluon decode kernel with triton_decode._decode_kernel's runtime arguments (lse_t: the LSE
+    buffer to write, never None), no combine."""
+    return kernel[grid](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        heads, slots.shape[1], splits,
+        query.shape[1], slots.shape[1], splits,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
@@ -639,8 +651,6 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
         num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
         **(options or {}),
     )
-    td.combine(ws, out, lse_t, splits, output_scale)
-    return compiled
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,

@@ -845,45 +845,35 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
                             params.launch_options(), {"U": 0, "TPC": 0})
 
 
-def stream_shape(rows: int, heads: int, width: int, params: FewHeadsParams, sms: int) -> tuple[int, int, int]:
-    """(CTAs a head block, units, units a CTA) of a stream-K launch: one wave of the chip's slots shared by the head
-    blocks; units are rows x 64-token tiles of the width."""
-    ctas = max(1, sms * params.ctas_per_sm // -(-heads // BLOCK_H))
-    units = rows * -(-width // BLOCK_N)
-    return ctas, units, max(1, -(-units // ctas))
+def stream_ctas(heads: int, params: FewHeadsParams, sms: int) -> int:
+    """CTAs a head block of a stream-K launch: one wave of the chip's slots, shared by the head blocks."""
+    return max(1, sms * params.ctas_per_sm // -(-heads // BLOCK_H))
 
 
 def stream_entries(heads: int, params: FewHeadsParams, sms: int) -> int:
     """Partial entries a stream-K launch writes at most: two a CTA (its range's first and last rows) a head."""
-    return 2 * stream_shape(1, heads, BLOCK_N, params, sms)[0] * heads
+    return 2 * stream_ctas(heads, params, sms) * heads
 
 
 def launch_stream(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
                   ws: td.Workspace, params: FewHeadsParams) -> Any:
-    """The stream-K form (params.stream): grid (head blocks, CTAs), each CTA an even share of the rows x tiles; rows
-    split between CTAs are merged by triton_decode.stream_combine. Inputs already checked; ws holds
-    stream_entries(heads, params, sms) partial entries. PREPARED, NOT YET GPU-RUN (NOTES v15)."""
+    """The stream-K form (params.stream): grid (head blocks, CTAs), each CTA an even share of the rows x 64-token
+    tiles of the width; rows split between CTAs are merged by triton_decode.stream_combine. Inputs already checked;
+    ws holds stream_entries(heads, params, sms) partial entries. PREPARED, NOT YET GPU-RUN (NOTES v15)."""
     rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
     if rows == 0:  # no units: the gatherer's first unit would read counts[-1]
         return None
-    ctas, units, per_cta = stream_shape(rows, heads, width, params, td.num_sms(query.device))
-    if ws.capacity < 2 * ctas * heads or rows > ws.max_rows or heads != ws.heads:
-        raise ValueError(f"workspace holds {ws.capacity} partial entries for rows <= {ws.max_rows}, heads {ws.heads}; "
-                         f"this call needs {2 * ctas * heads} (stream_entries), rows {rows}, heads {heads}")
-    lse_t = lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
-    compiled = few_heads_kernel[(-(-heads // BLOCK_H), ctas, 1)](
-        query, kv_rows, slots, counts,
-        out, lse_t, ws.part_out, ws.part_lse,
-        heads, width, 1,
-        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
-        out.stride(0), out.stride(1), lse_t.stride(0),
-        softmax_scale * gd.LOG2E, output_scale,
-        units, per_cta,
-        **kernel_constexprs(params, heads),
-        num_warps=4,
-        **params.launch_options(),
-    )
-    td.stream_combine(ws, out, lse_t, -(-width // BLOCK_N), per_cta, output_scale)
+    ctas = stream_ctas(heads, params, td.num_sms(query.device))
+    tiles = -(-width // BLOCK_N)
+    per_cta = -(-rows * tiles // ctas)
+    _, lse_t = td.scratch(ws, rows, heads, 1, lse)
+    if ws.capacity < 2 * ctas * heads:
+        raise ValueError(f"workspace holds {ws.capacity} partial entries; this call needs {2 * ctas * heads} "
+                         "(stream_entries)")
+    compiled = gd.call_kernel(few_heads_kernel, (-(-heads // BLOCK_H), ctas, 1), query, kv_rows, slots, counts, out,
+                              lse_t, softmax_scale, output_scale, ws, 1, kernel_constexprs(params, heads),
+                              params.launch_options(), {"U": rows * tiles, "TPC": per_cta})
+    td.stream_combine(ws, out, lse_t, tiles, per_cta, output_scale)
     return compiled
 
 
