@@ -469,6 +469,18 @@ if gl is not None:
             _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j, BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
     @gluon.jit
+    def _alloc_fp8_q_and_ring(BH: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr):
+        """Q (BH heads: latent, RoPE) and the K ring's stages (BLOCK_N rows) for fp8 rows, as wgmma operands (128- /
+        64-byte swizzles); both Gluon kernels' first shared-memory buffers."""
+        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
+        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], lat_layout)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], rope_layout)
+        return q_lat_s, q_rope_s, k_lat_s, k_rope_s
+
+    @gluon.jit
     def _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N: gl.constexpr):
         """(start, end, tiles) of this split's token range, as triton_decode._split_range."""
         count = gl.load(counts_ptr + row)
@@ -501,13 +513,8 @@ if gl is not None:
 
         start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N)
 
-        q_lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        q_rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [_BH, 512], q_lat_layout)
-        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [_BH, 64], q_rope_layout)
-        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], q_lat_layout)
-        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], q_rope_layout)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(_BH, BLOCK_N, K_STAGES)
         v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, BLOCK_N, 256], v16_layout)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())

@@ -544,17 +544,6 @@ if gd.gl is not None:
         )
 
     @gluon.jit
-    def _alloc_fp8_q_and_ring(BH: gl.constexpr, K_STAGES: gl.constexpr):
-        """Q (latent, RoPE) and the K ring's stages for fp8 rows, as wgmma operands (128- / 64-byte swizzles)."""
-        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
-        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
-        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 512], lat_layout)
-        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
-        return q_lat_s, q_rope_s, k_lat_s, k_rope_s
-
-    @gluon.jit
     def _stream_body(
         q_ptr, kv_ptr, slots_ptr, counts_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         cta, h0, H, K, U, TPC, stride_q_row, stride_q_head, stride_kv, stride_s_row,
@@ -568,7 +557,7 @@ if gd.gl is not None:
         T = gl.cdiv(K, _BN)
         u0 = cta * TPC
         u1 = gl.minimum(u0 + TPC, U)
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(BH, K_STAGES)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
         p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
         gl.warp_specialize(
             [
@@ -631,7 +620,7 @@ if gd.gl is not None:
                                BH, K_STAGES, V_SLOTS, CVT_ROWS)
             return
 
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(BH, K_STAGES)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
         if REG_V:  # no V16 ring: the consumers alone free a stage
             p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
         else:
