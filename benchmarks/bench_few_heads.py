@@ -36,6 +36,8 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import launch as few_heads_launch  # 
 from vllm_kimi_dsa.kernels.gluon_few_heads import launch_stream, stream_entries  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
+# reg_v at two CTAs an SM (reg_v_params(2) without pv_early, which depends on the Triton version)
+_TWO_CTA = {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2, "producer_regs": 56}
 # name -> FewHeadsParams overrides (the default, then one field changed at a time); "triton" is td's default config.
 # Names ending in "-nvfp4" run on an nvfp4_ds_mla cache (352-byte rows); their fraction of copy counts those bytes.
 VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3},
@@ -56,21 +58,15 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              "few-regv-k3-pv2": {"reg_v": True, "k_stages": 3, "pv_in_flight": 2},
                              # reg_v at two CTAs an SM: K ring 2 each, 128 registers a thread at launch (gatherer
                              # 56 / consumer 200, or 72 / 184)
-                             "few-regv-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
-                                               "producer_regs": 56},
-                             "few-regv-2cta-p72": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
-                                                   "producer_regs": 72},
-                             "few-tail-regv-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
-                                                    "ctas_per_sm": 2, "producer_regs": 56, "tail_split": True},
+                             "few-regv-2cta": _TWO_CTA,
+                             "few-regv-2cta-p72": {**_TWO_CTA, "producer_regs": 72},
+                             "few-tail-regv-2cta": {**_TWO_CTA, "tail_split": True},
                              # P.V of tile it - 1 issued (its stage freed) before waiting for tile it
                              "few-tail-regv-early": {"reg_v": True, "k_stages": 3, "pv_early": True,
                                                      "tail_split": True},
-                             "few-tail-regv-2cta-early": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2,
-                                                          "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True,
-                                                          "tail_split": True},
+                             "few-tail-regv-2cta-early": {**_TWO_CTA, "pv_early": True, "tail_split": True},
                              # the stream-K grid (launch_stream) on the two-CTA form, and on one CTA an SM
-                             "few-stream-2cta": {"reg_v": True, "k_stages": 2, "pv_in_flight": 2, "ctas_per_sm": 2,
-                                                 "producer_regs": 56, "pv_early": True, "stream": True},
+                             "few-stream-2cta": {**_TWO_CTA, "pv_early": True, "stream": True},
                              "few-stream-regv": {"reg_v": True, "k_stages": 3, "stream": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
 NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
