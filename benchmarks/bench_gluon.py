@@ -35,6 +35,8 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
     gluon_unavailable_reason,
 )
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
@@ -48,6 +50,23 @@ OSCALE = 0.125
 # split) through the same kernel.
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-tail": {"tail_split": True}, "gluon-v2": {"v_slots": 2},
                                    "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
+# gluon_seesaw's kernel: name -> SeesawParams overrides (and "tail_split" as above)
+SEESAW_VARIANTS: dict[str, dict] = {
+    "seesaw": {}, "seesaw-tail": {"tail_split": True},
+    # two / one P.V operands in flight; the gatherer's registers (WG1's = consumer_regs, WG0's = 504 - both)
+    "seesaw-pv1-tail": {"pv_in_flight": 1, "tail_split": True},
+    "seesaw-pv4-p40-tail": {"pv_in_flight": 4, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
+    "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
+    "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
+    "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
+    # qk_prefetch: the next own tile's Q.K issued before the other's P (one or two operands in flight beside it)
+    "seesaw-pf11-tail": {"qk_prefetch": True, "pv_in_flight": 1, "producer_regs": 56, "tail_split": True},
+    "seesaw-pf21-tail": {"qk_prefetch": True, "pv_in_flight": 2, "pv_in_flight_other": 1, "tail_split": True},
+    "seesaw-pf21-p40-tail": {"qk_prefetch": True, "pv_in_flight": 2, "pv_in_flight_other": 1, "producer_regs": 40,
+                             "consumer_regs": 232, "tail_split": True},
+    "seesaw-pf22-p56-tail": {"qk_prefetch": True, "pv_in_flight": 2, "producer_regs": 56, "consumer_regs": 224,
+                             "tail_split": True},
+}
 
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
@@ -71,6 +90,13 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
+    if name in SEESAW_VARIANTS:
+        overrides, tail = kernel_params(SEESAW_VARIANTS[name])
+        sp = SeesawParams(**overrides)
+        if tail:
+            return tail_split_call(lambda *a: seesaw_launch(*a, sp), sp.config(), q, kv, slots, counts, out, lse, ws)
+        return lambda: seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE,
+                                                out=out, lse=lse, workspace=ws, splits=splits, params=sp)
     overrides, tail = kernel_params(GLUON_VARIANTS[name])
     params = GluonParams(**overrides)
     if tail:
@@ -106,6 +132,8 @@ def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
 def _config(name: str) -> td.Config:
     if name == "triton":
         return td.default_config(HEADS, "fp8")
+    if name in SEESAW_VARIANTS:
+        return SeesawParams(**kernel_params(SEESAW_VARIANTS[name])[0]).config()
     return gluon_config(GluonParams(**kernel_params(GLUON_VARIANTS[name])[0]).block_n)
 
 
@@ -114,11 +142,12 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="5,20,80,160,320")
     p.add_argument("--splits", default="",
-                   help="also probe the default Gluon kernel at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
+                   help="also probe a kernel (--probe) at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
+    p.add_argument("--probe", default="gluon", help="the kernel name --splits probes")
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS]
+    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -182,13 +211,13 @@ def main() -> None:
     probe = []
     for item in filter(None, a.splits.split(";")):
         rows_s, counts_s = item.split(":")
-        picked = td.choose_splits(int(rows_s), HEADS, K, _config("gluon"), sms)
+        picked = td.choose_splits(int(rows_s), HEADS, K, _config(a.probe), sms)
         for sp in (int(c) for c in counts_s.split(",")):
-            us = _time("gluon", int(rows_s), sp, kv, _config("gluon"), dev, g)[0]
-            probe.append(dict(rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
+            us = _time(a.probe, int(rows_s), sp, kv, _config(a.probe), dev, g)[0]
+            probe.append(dict(kernel=a.probe, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
             print(f"splits probe: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (choose_splits picks {picked})",
                   flush=True)
-    results.setdefault("gluon", {})["splits_probe"] = probe
+    results.setdefault(a.probe, {})["splits_probe"] = probe
     print()
     print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
     for name, rec in results.items():

@@ -7,7 +7,7 @@ and each hot loop (a backward branch over > 50 instructions: the two consumers' 
 producer's holds LDGSTS) with its length, spills inside it and its instruction mix. Costs no device time; use the
 Triton the H200 runs (3.6) for numbers that match it:
 
-    /tmp/t36/bin/python benchmarks/gluon_report.py [--kernel gluon|few] [--config k=v,...] [--sass-dir DIR]
+    /tmp/t36/bin/python benchmarks/gluon_report.py [--kernel gluon|few|seesaw] [--config k=v,...] [--sass-dir DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ SIGNATURE = dict(
 )
 # GluonParams overrides: the default, then one field changed at a time
 FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}]
+SEESAW_CONFIGS = [{}, {"pv_in_flight": 1}, {"k_stages": 3}]
 CONFIGS = [{}, {"v_slots": 2}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
             "BAR", "SYNCS", "WARPGROUP", "SHFL", "MEMBAR")
@@ -44,13 +45,18 @@ LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP
 
 def compile_gluon(kernel: str = "gluon", **overrides):
     """Compile a Gluon decode kernel for sm_90a: "gluon" (gluon_decode_kernel with GluonParams(**overrides)) or
-    "few" (gluon_few_heads.few_heads_kernel with FewHeadsParams(**overrides))."""
+    "few" (gluon_few_heads.few_heads_kernel with FewHeadsParams(**overrides)) or "seesaw" (gluon_seesaw's kernel with
+    SeesawParams(**overrides))."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if kernel == "few":
         from vllm_kimi_dsa.kernels import gluon_few_heads as g
 
         fn, params_cls = g.few_heads_kernel, g.FewHeadsParams
+    elif kernel == "seesaw":
+        from vllm_kimi_dsa.kernels import gluon_seesaw as g
+
+        fn, params_cls = g.seesaw_decode_kernel, g.SeesawParams
     else:
         from vllm_kimi_dsa.kernels import gluon_decode as g
 
@@ -130,7 +136,7 @@ def analyze(kernel) -> dict[str, object]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each config's SASS, PTX and TTGIR here")
-    p.add_argument("--kernel", choices=("gluon", "few"), default="gluon",
+    p.add_argument("--kernel", choices=("gluon", "few", "seesaw"), default="gluon",
                    help="gluon_decode_kernel (64 heads a CTA) or gluon_few_heads.few_heads_kernel (<= 16 heads)")
     p.add_argument("--config", action="append", default=[],
                    help="GluonParams / FewHeadsParams overrides as field=value,... e.g. v_slots=2,cvt_rows=16 "
@@ -140,7 +146,7 @@ def main() -> None:
             else "gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
     print(f"triton {triton.__version__}, target sm_90a, {what}")
     given = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",") if kv} for c in a.config]
-    for cfg in given or (FEW_CONFIGS if a.kernel == "few" else CONFIGS):
+    for cfg in given or {"few": FEW_CONFIGS, "seesaw": SEESAW_CONFIGS}.get(a.kernel, CONFIGS):
         name = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
         try:
             k = compile_gluon(a.kernel, **cfg)

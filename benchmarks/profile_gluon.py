@@ -1,10 +1,11 @@
 """Two launches of a Gluon decode kernel for ncu: profile the second with `ncu -k regex:<kernel> -s 1 -c 1 ...`
 (benchmarks/device_profile_gluon.sh). Default: the 64-head kernel, H=128, K=2048, fp8, 80 rows, one split;
-`--kernel few` the few-heads kernel (default H=16, 264 rows: two full waves of 132 SMs).
+`--kernel few` the few-heads kernel (default H=16, 264 rows: two full waves of 132 SMs); `--kernel seesaw`
+gluon_seesaw's 64-head kernel.
 
-    python3 benchmarks/profile_gluon.py [--kernel gluon|few] [--rows N] [--heads H] [--params k=v,...]
+    python3 benchmarks/profile_gluon.py [--kernel gluon|few|seesaw] [--rows N] [--heads H] [--params k=v,...]
 
---params: FewHeadsParams overrides for the few-heads kernel (e.g. reg_v=1,k_stages=4).
+--params: FewHeadsParams (few) or SeesawParams (seesaw) overrides (e.g. reg_v=1,k_stages=4).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--kernel", choices=("gluon", "few"), default="gluon")
+p.add_argument("--kernel", choices=("gluon", "few", "seesaw"), default="gluon")
 p.add_argument("--rows", type=int, default=None)
 p.add_argument("--heads", type=int, default=None)
 p.add_argument("--params", default="", help="few-heads kernel: FewHeadsParams overrides, k=v,...")
@@ -31,7 +33,7 @@ few = a.kernel == "few"
 rows = a.rows or (264 if few else 80)
 heads = a.heads or (16 if few else 128)
 width = 2048
-run = few_heads_sparse_mla_decode if few else gluon_sparse_mla_decode
+run = {"few": few_heads_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}.get(a.kernel, gluon_sparse_mla_decode)
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
 kv = quantize_rows(torch.randn(1 << 20, 576, device=dev, generator=g) * 8, "fp8")
@@ -40,8 +42,9 @@ slots = torch.randint(0, 1 << 20, (rows, width), device=dev, generator=g, dtype=
 counts = torch.full((rows,), width, device=dev, dtype=torch.int32)
 out = torch.empty(rows, heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
 extra = {}
-if few and a.params:
-    extra["params"] = FewHeadsParams(**{k: int(v) for k, v in (kv_.split("=") for kv_ in a.params.split(","))})
+if a.kernel in ("few", "seesaw") and a.params:
+    params_cls = FewHeadsParams if few else SeesawParams
+    extra["params"] = params_cls(**{k: int(v) for k, v in (kv_.split("=") for kv_ in a.params.split(","))})
 for _ in range(2):
     run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1, **extra)
 torch.cuda.synchronize()

@@ -58,7 +58,7 @@ fi
 # (a) GPU-relevant tests (FlashInfer not on the path: the H200 has none installed).
 if [ "$TESTS" = 1 ]; then
   FILES=""
-  for f in test_convert.py test_triton_decode.py test_gluon_decode.py test_gluon_few_heads.py test_gluon_selection.py test_core.py test_dcp.py \
+  for f in test_convert.py test_triton_decode.py test_gluon_decode.py test_gluon_seesaw.py test_gluon_few_heads.py test_gluon_selection.py test_core.py test_dcp.py \
            test_graphs.py test_bad_input.py; do
     [ -f "tests/$f" ] && FILES="$FILES tests/$f"
   done
@@ -131,10 +131,11 @@ dev = torch.device("cuda")
 worst = 0.0
 # (fmt, heads, rows, width, batches): tiny batches of each path, then batches whose plan on 132 SMs is tail-split
 # (H = 128, 80 rows at width 512: 66 whole rows + 14 split 4 ways; H = 32, 160 rows: two CTAs an SM, 132 whole rows + 28
-# split 4 ways; H = 16, 160 rows: two CTAs an SM, unsplit)
+# split 4 ways; H = 16, 160 rows: two CTAs an SM, unsplit; H = 128, 200 rows: the seesaw kernel)
 CASES = [(fmt, heads, 3, 256, (1, 3)) for fmt in ("fp8", "nvfp4_ds_mla") for heads in (16, 32, 128)]
 if not os.environ.get("SAN_TINY"):  # racecheck takes minutes on these (its hazard tables): memcheck only
-    CASES += [("fp8", 128, 80, 512, (80,)), ("fp8", 16, 160, 512, (160,)), ("fp8", 32, 160, 512, (160,)),
+    CASES += [("fp8", 128, 80, 512, (80,)), ("fp8", 128, 200, 256, (200,)), ("fp8", 16, 160, 512, (160,)),
+              ("fp8", 32, 160, 512, (160,)),
               ("nvfp4_ds_mla", 16, 160, 512, (160,))]
 for fmt, heads, rows, width, batches in CASES:
     buffers = make_buffers(rows, heads, width, dev)

@@ -18,6 +18,7 @@ from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
 from vllm_kimi_dsa.kernels.gluon_few_heads import (REG_V_MIN_ROWS, FewHeadsParams, few_heads_verified, nvfp4_params,
                                                    reg_v_params, reg_v_verified)
+from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_ROWS, SeesawParams, seesaw_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config, plan_cost
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,8 +79,14 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and not k.gluon.reg_v
+    if heads > 32:  # fp8: the seesaw kernel from SEESAW_MIN_ROWS rows, on the same tiles and plans
+        assert k.gluon_large == ((SeesawParams(),) if want and seesaw_verified() else ())
+        assert all(p.config(heads) == k.config for p in k.gluon_large)
+        assert {r for (r, _), p in k.kernel_params.items() if isinstance(p, SeesawParams)} == (
+            {r for r, _ in k.kernel_params if r >= SEESAW_MIN_ROWS} if k.gluon_large else set())
+        return
     # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, at one or two CTAs an SM, with the same tile shape
-    assert bool(k.gluon_large) == (want and heads <= 32 and fmt == "fp8" and reg_v_verified())
+    assert bool(k.gluon_large) == (want and fmt == "fp8" and reg_v_verified())
     assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
     for p in k.gluon_large:
         assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
@@ -182,7 +189,7 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
 
 
 @pytest.mark.skipif(gluon_decode.gl is None, reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("which", ["gluon", "few", "few-nvfp4", "few-32"])
+@pytest.mark.parametrize("which", ["gluon", "seesaw", "few", "few-nvfp4", "few-32"])
 def test_launchers_pass_every_kernel_argument(which: str) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
     constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
@@ -201,7 +208,7 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
                 seen.update(grid=grid, args=args, kwargs=kwargs)
             return run
 
-    rows, heads = 3, {"gluon": 128, "few-32": 32}.get(which, 12)
+    rows, heads = 3, {"gluon": 128, "seesaw": 128, "few-32": 32}.get(which, 12)
     q = torch.zeros(rows, heads, 576, dtype=torch.float8_e4m3fn)
     kv = (torch.zeros(8, 352, dtype=torch.uint8) if which == "few-nvfp4" else torch.zeros(8, 576, dtype=torch.float8_e4m3fn))
     slots = torch.zeros(rows, 128, dtype=torch.int32)
@@ -209,6 +216,10 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
     if which == "gluon":
         fn, params, mod = gluon_decode.gluon_decode_kernel, GluonParams(), gluon_decode
+    elif which == "seesaw":
+        from vllm_kimi_dsa.kernels import gluon_seesaw
+
+        fn, params, mod = gluon_seesaw.seesaw_decode_kernel, SeesawParams(), gluon_seesaw
     else:
         params = nvfp4_params() if which == "few-nvfp4" else FewHeadsParams()
         fn, mod = gluon_few_heads.few_heads_kernel, gluon_few_heads

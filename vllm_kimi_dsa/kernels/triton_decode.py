@@ -767,17 +767,23 @@ class TritonDecode:
         # Elsewhere (nvfp4 at > 32 heads, unverified versions) this file's kernel.
         # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params at one or two CTAs an SM (same
         # tile shape; one workspace sized from all the plans), on the Triton versions reg_v was verified on (or when
-        # asked for with VLLM_KIMI_DSA_GLUON=1)
+        # asked for with VLLM_KIMI_DSA_GLUON=1). fp8 > 32 heads from gluon_seesaw.SEESAW_MIN_ROWS rows: the seesaw
+        # kernel (same tiles and plans), where it was verified.
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
         few = setup.heads <= 32
-        large, large_from = (), setup.max_rows + 1
+        large, large_from, large_launch = (), setup.max_rows + 1, None
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
             if not few:
+                from vllm_kimi_dsa.kernels import gluon_seesaw
+
                 params, verified, launch = gluon_decode.GluonParams(), gluon_decode.gluon_verified(), gluon_decode.launch
+                if want == "1" or gluon_seesaw.seesaw_verified():
+                    large, large_from = (gluon_seesaw.SeesawParams(),), gluon_seesaw.SEESAW_MIN_ROWS
+                    large_launch = gluon_seesaw.launch
             else:
                 params = gluon_few_heads.FewHeadsParams() if self.fmt == "fp8" else gluon_few_heads.nvfp4_params()
                 verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
@@ -792,12 +798,13 @@ class TritonDecode:
         sms = num_sms(torch.device(setup.device))
         self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config, sms)
         # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it. From
-        # large_from rows, the large params (reg_v at one or two CTAs an SM) whose plan the model costs least.
+        # large_from rows, the large params (few heads: reg_v at one or two CTAs an SM; > 32 heads: the seesaw kernel)
+        # whose plan the model costs least.
         # kernel_params says which (the Gluon params; None: this file's kernel).
         small_launch = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
         self._launches = dict.fromkeys(self._plans, small_launch)
         self.kernel_params: dict[tuple[int, int], Any] = dict.fromkeys(self._plans, self.gluon)
-        large_launches = [self._gluon_call(p) for p in self.gluon_large]
+        large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
         for rows, width in self._plans:
             if rows >= large_from and self.gluon_large:
@@ -838,11 +845,14 @@ class TritonDecode:
         _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
                 self.setup.softmax_scale, self.setup.output_scale, self.workspace, self.config, splits)
 
-    def _gluon_call(self, params: Any) -> Any:
-        """The Gluon kernel's launch with these params, as run_plan calls it."""
+    def _gluon_call(self, params: Any, module_launch: Any = None) -> Any:
+        """The Gluon kernel's launch with these params (module_launch: another kernel module's launch, e.g. the
+        seesaw kernel's; default: the one chosen for this head count), as run_plan calls it."""
+        kernel_launch = module_launch or self._gluon_launch
+
         def launch(query, kv_rows, slots, counts, out, lse, splits: int) -> None:
-            self._gluon_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
-                               self.setup.output_scale, self.workspace, splits, params)
+            kernel_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
+                          self.setup.output_scale, self.workspace, splits, params)
         return launch
 
 

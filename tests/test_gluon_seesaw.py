@@ -1,0 +1,192 @@
+"""GPU tests of the seesaw Gluon decode (kernels/gluon_seesaw.py) against reference_decode.
+
+Hopper only (wgmma): the GPU tests skip with the reason where gluon_available() is False (CPU CI, other GPUs, other
+Triton versions); the checks of the params run everywhere. Inputs are test_gluon_decode's: fresh random fp8 rows,
+-1 holes, junk past counts, a count-0 row, a 1-token row and an all-holes row, so rows (and splits) of 0, 1, odd and
+even tile counts (which consumer owns the last tile, and who takes it as the other's); odd row counts; 64 / 96 / 128
+heads (96: a half-empty second head block); widths 128 / 1024 / 2048; one split and several (the combine); K rings of
+2-4; one or two P.V register operands in flight; outputs poisoned with NaN; a CUDA-graph capture / replay; a
+tail-split plan. Tolerance: test_triton_decode's check for the 64-head fp8 config (bf16 output rounding, fp16 P, the
+fp8 wgmma's logits within conftest.wgmma_logit_bound): the same arithmetic as gluon_decode's kernel. NaN never passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from test_gluon_decode import _case, _check, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
+from vllm_kimi_dsa.kernels import gluon_seesaw, triton_decode
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_sparse_mla_decode, gluon_unavailable_reason
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
+from vllm_kimi_dsa.reference import reference_decode
+
+GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Case:
+    rows: int
+    heads: int
+    width: int
+    splits: int | None = None  # None: the heuristic; 1: no combine
+    k_stages: int = 4
+    pv_in_flight: int = 1
+    qk_prefetch: bool = False
+    other: int = 0  # pv_in_flight_other
+
+    def params(self) -> SeesawParams:
+        # two operands in flight beside a prefetched S at 224 registers (at 216 ptxas serializes them)
+        regs, producer = (224, 56) if self.qk_prefetch and max(self.pv_in_flight, self.other) > 1 else (216, 48)
+        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, consumer_regs=regs,
+                            producer_regs=producer, qk_prefetch=self.qk_prefetch, pv_in_flight_other=self.other)
+
+
+CASES = [
+    Case(1, 128, 2048, splits=1),
+    Case(2, 64, 128, splits=1),  # one tile a row: consumer 0 owns it, consumer 1 takes it as the other's
+    Case(5, 128, 2048, splits=1),
+    Case(5, 128, 2048, splits=3),
+    Case(7, 96, 1024),
+    Case(7, 96, 1024, splits=1),
+    Case(7, 64, 128, splits=1),
+    Case(19, 128, 2048, splits=2),
+    Case(33, 64, 128),
+    Case(33, 128, 1024, splits=1),
+    Case(320, 128, 2048),
+    Case(320, 128, 2048, splits=1),
+    # rings and P.V operands in flight
+    Case(7, 128, 2048, splits=1, k_stages=2),
+    Case(19, 96, 2048, splits=2, k_stages=3),
+    Case(33, 128, 1024, splits=1, pv_in_flight=1),
+    Case(5, 128, 2048, splits=11, pv_in_flight=4),
+    Case(37, 64, 2048, splits=1, k_stages=3),
+    # the Q.K of a consumer's next tile issued before the other's P (qk_prefetch), P.V of the other's tiles with
+    # one or two operands in flight
+    Case(2, 64, 128, splits=1, qk_prefetch=True, pv_in_flight=1),
+    Case(7, 96, 1024, splits=1, qk_prefetch=True, pv_in_flight=1),
+    Case(19, 128, 2048, splits=2, qk_prefetch=True, pv_in_flight=2, other=1, k_stages=2),
+    Case(33, 128, 1024, splits=1, qk_prefetch=True, pv_in_flight=2),
+    Case(320, 128, 2048, qk_prefetch=True, pv_in_flight=2, other=1),
+]
+
+
+def _case_id(c: Case) -> str:
+    return (f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}"
+            f"{f'-pf{c.other}' if c.qk_prefetch else ''}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_cases_are_valid_params(case: Case) -> None:
+    """Runs on CPU too: a case the kernel cannot take would otherwise surface only on the GPU."""
+    assert case.params().config().block_h == 64
+
+
+def test_rejects_bad_params() -> None:
+    with pytest.raises(ValueError, match="pv_in_flight"):
+        SeesawParams(pv_in_flight=3)
+    with pytest.raises(ValueError, match="k_stages"):
+        SeesawParams(k_stages=6)
+    with pytest.raises(ValueError, match="consumer_regs"):
+        SeesawParams(consumer_regs=240, producer_regs=56)  # WG0 would get 208 < 240
+
+
+@GPU
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference(case: Case) -> None:
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 11 + case.heads)
+    out, lse = _poisoned(case.rows, case.heads)
+    seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                             splits=case.splits, params=case.params())
+    torch.cuda.synchronize()
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+def test_agrees_with_gluon_kernel() -> None:
+    """The same batch through gluon_decode's kernel: the two differ by no more than their errors allow."""
+    q, kv, slots, counts, ss, os_ = _case(9, 128, 1024, seed=17)
+    out_s, lse_s = _poisoned(9, 128)
+    out_g, lse_g = _poisoned(9, 128)
+    seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_s, lse=lse_s, splits=2)
+    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g, splits=2)
+    torch.cuda.synchronize()
+    _check(out_s, lse_s, q, kv, slots, counts, ss, os_)
+    assert torch.equal(torch.isfinite(lse_s), torch.isfinite(lse_g))
+    assert_agree(out_s, out_g, reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss,
+                                                output_scale=os_)[0])
+
+
+@GPU
+def test_without_lse() -> None:
+    """lse=None: the kernel writes the workspace's dummy LSE; out must still match."""
+    q, kv, slots, counts, ss, os_ = _case(5, 128, 1024, seed=3)
+    out, _ = _poisoned(5, 128)
+    seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
+    torch.cuda.synchronize()
+    _, ref_lse = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
+    _check(out, ref_lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+@pytest.mark.parametrize("splits", [1, 3])
+def test_cuda_graph_replay(splits: int) -> None:
+    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
+    rows, heads, width = 7, 128, 1024
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
+    params = SeesawParams()
+    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), config=params.config())
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                 workspace=ws, splits=splits, params=params)
+
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
+    _check(out, lse, q, kv, slots, counts, ss, os_)
+
+
+@GPU
+@pytest.mark.parametrize("rows", [80, 160])
+def test_tail_split_plan(rows: int) -> None:
+    """A tail-split plan: the rows of full waves unsplit, the rest split and combined; count-0 rows at the seam."""
+    params = SeesawParams()
+    _check(*run_tail_split_plan(lambda *a: gluon_seesaw.launch(*a, params), params.config(), rows, 128,
+                                seed=41 + rows))
+
+
+@GPU
+def test_rejects_few_heads() -> None:
+    q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
+    out, lse = _poisoned(3, 32)
+    with pytest.raises(ValueError, match="heads"):
+        seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
+
+
+@GPU
+def test_kernel_class_runs_seesaw_from_its_row_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (fp8, 128 heads): batches below SEESAW_MIN_ROWS on gluon_decode's kernel, from it on the seesaw
+    kernel (where verified); both match the reference, one workspace for both."""
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+    from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
+    from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_ROWS, seesaw_verified
+
+    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
+    small, large, width = 5, SEESAW_MIN_ROWS + 3, 1024
+    heads = 128
+    q, kv, slots, counts, ss, os_ = _case(large, heads, width, seed=61)
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large), capacities=(),
+                        widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
+    k = triton_decode.TritonDecode(setup)
+    if k.gluon is None or not seesaw_verified():
+        pytest.skip("the Gluon kernels or the seesaw kernel are not verified on this Triton")
+    assert isinstance(k.kernel_params[small, width], GluonParams)
+    assert isinstance(k.kernel_params[large, width], SeesawParams)
+    for rows in (small, large):
+        out, lse = _poisoned(rows, heads)
+        k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
+        torch.cuda.synchronize()
+        _check(out, lse, q[:rows], kv, slots[:rows], counts[:rows], ss, os_)

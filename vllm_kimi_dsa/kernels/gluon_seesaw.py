@@ -1,0 +1,404 @@
+"""Seesaw sparse MLA decode in Gluon for Hopper (sm_90a: wgmma): FP8 cache, > 32 heads in 64-head tiles.
+
+Computes what gluon_decode.gluon_decode_kernel computes (same grid, runtime arguments, split scratch and combine:
+gluon_decode.launch_kernel), scheduled the way FlashMLA's SM90 decode is ("seesaw"), with P.V's latent taken from
+the K ring through registers as gluon_few_heads' reg_v form does. Not for nvfp4 caches, <= 32 heads or sm_100+.
+
+Why: in gluon_decode's kernel both consumers split each tile's tokens, so both wait on the same row-max exchange
+and run their softmax at the same time while the tensor pipe idles (~36% busy at 320 rows, NOTES v15), and a
+converter warpgroup writes and both consumers read a V16 ring (96 KB of shared memory a tile).
+
+Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x 36 KB K ring + 16 KB P):
+- WG2, the gatherer (gluon_decode._gatherer, as the few-heads kernel's): tile t's 64 rows (576 B each, cp.async,
+  holes zero-filled, the 0 / -inf token bias beside them) into stage t % K_STAGES; k_ready[stage] counts its
+  129 arrivals. No conversion: the consumers read the e4m3 latent themselves.
+- WG0 / WG1, the consumers. Consumer t % 2 owns tile t: S_t = Q K_t^T (64 heads x 64 tokens, fp8 wgmma, K = 512 +
+  64), m_t = max(m_(t-1), rowmax S_t), P_t = exp2(S_t - m_t) (fp16) and m_t into shared memory (p_s[t % 2],
+  x_s[t % 2]; p_ready). Both consumers then take O^T[half] = alpha_t O^T[half] + V_t^T[half] P_t^T, half = the
+  consumer: latent dims 256 half .. 256 half + 255 of tile t straight from the K stage into P.V's register A
+  operand (e4m3 -> fp16, exact; O^T's rows permuted so a thread loads 8 contiguous stage bytes a token), P_t^T from
+  shared memory. The owner of tile t + 1 is the other consumer of tile t, so it learns m_t from x_s before its own
+  softmax: the running max passes back and forth (the "seesaw"), one exchange a tile.
+- The non-owner of tile t issues the Q.K of its own tile t + 1 before it waits for P_t, so one consumer's Q.K runs
+  under the other's softmax. Every step retires its wgmmas before the next starts (no accumulator in flight
+  across a loop edge or branch).
+- Row sums: each consumer sums its own tiles' P (rescaled by every alpha), and the two shares are added at the end
+  (l_s, l_ready). Epilogue: each consumer stores its 256 latent dims (bf16 out, or the fp32 split partial),
+  consumer 0 the LSE.
+- mbarriers: k_ready[s] (129: the gatherer), k_empty[s] (2: each consumer once its P.V operands are loaded; the
+  owner's Q.K has retired by then), p_ready[b] (1: the owner), p_empty[b] (1: the non-owner, after its P.V of the
+  tile retired), l_ready (2).
+
+The module imports on any machine (CPU, no Gluon) without error; gluon_decode.gluon_available() says whether this
+process can run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+
+from vllm_kimi_dsa.formats import HEAD_DIM
+from vllm_kimi_dsa.kernels import gluon_decode as gd
+from vllm_kimi_dsa.kernels import triton_decode as td
+
+BLOCK_H = gd.BLOCK_H  # 64 heads a CTA
+BLOCK_N = 64  # tokens a tile
+# Triton versions on which this kernel passed its GPU tests on the H200; TritonDecode picks it only there (or when
+# asked for with VLLM_KIMI_DSA_GLUON=1)
+VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
+# TritonDecode runs it (fp8, > 32 heads) for batches of at least this many rows, gluon_decode's kernel below: on the
+# H200 (tail-split plans, H = 128, K = 2048) it is 7-8% faster at 320 rows and level at 160, but slower at 5-80 rows
+# (23.8 vs 19.4 µs at 5, 118.6 vs 110.9 at 80), where CTAs run few tiles and its one max exchange a tile is not hidden
+SEESAW_MIN_ROWS = 192
+
+gl = gd.gl
+if gl is not None:
+    gluon = gd.gluon
+    mbarrier = gd.mbarrier
+    fence_async_shared = gd.fence_async_shared
+    warpgroup_mma = gd.warpgroup_mma
+    warpgroup_mma_init = gd.warpgroup_mma_init
+    warpgroup_mma_wait = gd.warpgroup_mma_wait
+    from vllm_kimi_dsa.kernels import gluon_few_heads as gfh
+
+    _BH = gl.constexpr(BLOCK_H)
+    _BN = gl.constexpr(BLOCK_N)
+    # S = Q K^T: 64 heads x 64 tokens (a row's max within a lane quad); O^T: 256 latent dims x 64 heads a consumer
+    _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32]))
+    _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_H, 16]))
+    _P_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # Consumer `half` takes latent dims 256 half .. + 255; its O^T row i = 64 m + 16 w + 8 h + r (warp w, lane row r,
+    # half h of the fragment, repetition m) holds dim 256 half + 64 w + 8 r + 2 m + h, so a thread's 8 dims of a
+    # token are 8 contiguous stage bytes (LDS.64; 16 lanes of a load on 4 rows x 4 chunks x both 8-byte halves:
+    # conflict-free under the 128-byte swizzle). Shape [16 tokens, 256 dims].
+    _V_HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+        warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256]))
+    # O^T back in latent order for the epilogue: 8 contiguous dims (16-byte bf16 stores) and 2 heads a thread
+    _O_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 2], [8, 4], [4, 1], [0, 1]))
+
+    @gluon.jit
+    def _v_half_chunk(k_stage, kk: gl.constexpr, HALF: gl.constexpr):
+        """Tokens 16 kk .. 16 kk + 15 of latent half HALF of a K stage as the fp16 A operand of O^T += V^T P^T."""
+        x = k_stage.slice(16 * kk, 16, dim=0).slice(256 * HALF, 256, dim=1).load(_V_HALF_LAYOUT).to(gl.float16)
+        # dim = 64 w + 8 r + 2 m + h  ->  (m, w, h, r, token)
+        x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, 8, 4, 2]), (3, 1, 4, 2, 0)), [256, 16])
+        return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
+
+    @gluon.jit
+    def _issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES: gl.constexpr):
+        """Wait for tile t's K stage and issue S_t = Q K_t^T (async; the caller retires it)."""
+        stage = t % K_STAGES
+        mbarrier.wait(k_ready.index(stage), (t // K_STAGES) & 1)
+        fence_async_shared()
+        s_zero = gl.zeros([_BH, _BN], gl.float32, _S_LAYOUT)
+        s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _issue_pv(t, acc, k_lat_s, p_s, k_empty, HALF: gl.constexpr, K_STAGES: gl.constexpr,
+                  IN_FLIGHT: gl.constexpr):
+        """Issue O^T[HALF] += V_t^T[HALF] P_t^T (4 k-steps of 16 tokens; at most IN_FLIGHT register operands held by
+        wgmmas in flight), then free tile t's K stage for this consumer (its operands are in registers by then).
+        Returns the in-flight accumulator; the caller retires it."""
+        stage = t % K_STAGES
+        k_stage = k_lat_s.index(stage)
+        p_t = p_s.index(t % 2).permute((1, 0))
+        a = warpgroup_mma_init(acc)
+        for kk in gl.static_range(4):
+            if kk >= IN_FLIGHT:
+                a = warpgroup_mma_wait(num_outstanding=IN_FLIGHT - 1, deps=(a,))
+            v = _v_half_chunk(k_stage, kk, HALF)
+            a = warpgroup_mma(v, p_t.slice(16 * kk, 16, dim=0), a, is_async=True)
+        mbarrier.arrive(k_empty.index(stage))
+        return a
+
+    @gluon.jit
+    def _rescale(acc, alpha):
+        """O^T's columns (heads) times alpha (a head's factor, in S's row layout)."""
+        return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, _O_LAYOUT)), 0)
+
+    @gluon.jit
+    def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
+                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
+        other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T)."""
+        bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
+        s = s * qk_scale + gl.expand_dims(bias, 0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        b = t % 2
+        # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
+        mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
+        p_s.index(b).store(p.to(gl.float16))
+        x_s.index(b).store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(b))
+        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _other_tile(t, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s, p_s, x_s, k_ready, k_empty, p_ready,
+                    p_empty,
+                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, PREFETCH: gl.constexpr):
+        # IN_FLIGHT: this P.V's (the prefetched S holds 32 registers beside it)
+        """Tile t, the other consumer's: (PREFETCH) issue the Q.K of this consumer's tile t + 1 first, then take m_t
+        and P_t from the owner, rescale and add this consumer's P.V of the tile; everything retired, the P buffer
+        handed back. Returns (S_(t+1) or zeros, m_t, l, O^T)."""
+        if PREFETCH:
+            s = _issue_qk(t + 1, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
+        else:
+            s = gl.zeros([_BH, _BN], gl.float32, _S_LAYOUT)
+        # the stage's bytes (read here through registers) are visible after its k_ready phase
+        mbarrier.wait(k_ready.index(t % K_STAGES), (t // K_STAGES) & 1)
+        b = t % 2
+        mbarrier.wait(p_ready.index(b), (t // 2) & 1)
+        m_new = x_s.index(b).load(gl.SliceLayout(1, _S_LAYOUT))
+        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        l_i = l_i * alpha
+        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
+        if PREFETCH:
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        mbarrier.arrive(p_empty.index(b))
+        return s, m_new, l_i, acc
+
+    @gluon.jit
+    def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
+        """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
+        out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
+        head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
+        l_s.index(HALF).store(l_i)
+        mbarrier.arrive(l_ready.index(0))
+        mbarrier.wait(l_ready.index(0), 0)
+        l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
+        has = l_i > 0.0
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        head_o: gl.constexpr = gl.SliceLayout(0, _O_STORE_LAYOUT)
+        inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o)
+        # row i = 64 m + 16 w + 8 h + r of O^T is dim 64 w + 8 r + 2 m + h of this half
+        o = gl.reshape(gl.permute(gl.reshape(acc, [4, 4, 2, 8, _BH]), (1, 3, 0, 2, 4)), [256, _BH])
+        o = gl.convert_layout(o, _O_STORE_LAYOUT) * gl.expand_dims(inv, 0)
+        offs_h = hb * _BH + gl.arange(0, _BH, head_o)
+        offs_d = 256 * HALF + gl.arange(0, 256, gl.SliceLayout(1, _O_STORE_LAYOUT))
+        mask = gl.expand_dims(offs_d < 512, 1) & gl.expand_dims(offs_h < H, 0)
+        offs_h_s = hb * _BH + gl.arange(0, _BH, head_s)
+        if num_splits == 1:
+            o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
+                      + gl.expand_dims(offs_d, 1))
+            gl.store(o_ptrs, (o * out_scale).to(gl.bfloat16), mask=mask)
+            if HALF == 0:
+                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
+        else:
+            base = (row * num_splits + split) * H
+            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * 512, 0) + gl.expand_dims(offs_d, 1)
+            gl.store(p_ptrs, o, mask=mask)
+            if HALF == 0:
+                gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
+
+    @gluon.jit
+    def _consumer(
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+        k_ready, k_empty, p_ready, p_empty, l_ready,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, hb, num_tiles, H, num_splits,
+        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, QK_PREFETCH: gl.constexpr,
+        OTHER_IN_FLIGHT: gl.constexpr,
+    ):
+        """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile), takes P.V of the others (_other_tile, which
+        issues the Q.K of the next own tile first). Consumer 0 starts with tile 0 (its Q.K not prefetched); each
+        ends with the last tile when it is the other's."""
+        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
+        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
+        acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
+        if HALF == 0:
+            if num_tiles > 0:
+                s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
+                                          qk_scale, HALF, K_STAGES, IN_FLIGHT)
+            for pair in range(1, (num_tiles + 1) // 2):
+                s, m_i, l_i, acc = _other_tile(2 * pair - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
+                if not QK_PREFETCH:
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(2 * pair, q_lat_s, q_rope_s, k_lat_s,
+                                                                              k_rope_s, k_ready, K_STAGES),))
+                m_i, l_i, acc = _own_tile(2 * pair, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready,
+                                          p_empty, qk_scale, HALF, K_STAGES, IN_FLIGHT)
+            if (num_tiles > 0) & (num_tiles % 2 == 0):
+                _, m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, IN_FLIGHT, False)
+        else:
+            for pair in range(num_tiles // 2):
+                s, m_i, l_i, acc = _other_tile(2 * pair, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
+                if not QK_PREFETCH:
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(2 * pair + 1, q_lat_s, q_rope_s, k_lat_s,
+                                                                              k_rope_s, k_ready, K_STAGES),))
+                m_i, l_i, acc = _own_tile(2 * pair + 1, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty,
+                                          p_ready, p_empty, qk_scale, HALF, K_STAGES, IN_FLIGHT)
+            if num_tiles % 2 == 1:
+                _, m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, IN_FLIGHT, False)
+        _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF)
+
+    @gluon.jit
+    def seesaw_decode_kernel(
+        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        H, K, num_splits,
+        stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row,
+        qk_scale, out_scale,
+        K_STAGES: gl.constexpr,  # K ring depth (36 KB a stage)
+        PV_IN_FLIGHT: gl.constexpr,  # P.V k-steps (of 4) whose register operands are in flight at once
+        CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
+        PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
+        QK_PREFETCH: gl.constexpr = True,  # the non-owner of a tile issues the Q.K of its next tile first
+        OTHER_IN_FLIGHT: gl.constexpr = 1,  # PV_IN_FLIGHT for the other consumer's tiles
+    ):
+        """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        row = gl.program_id(2)
+        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
+
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
+        p_s = gl.allocate_shared_memory(gl.float16, [2, _BH, _BN], _P_LAYOUT)
+        bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], _PLAIN)
+        x_s = gl.allocate_shared_memory(gl.float32, [2, _BH], _PLAIN)
+        l_s = gl.allocate_shared_memory(gl.float32, [2, _BH], _PLAIN)
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=129)  # the gatherer's cp.async arrivals + its bias publish
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers, their P.V operands loaded
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)  # the tile's owner
+            mbarrier.init(p_empty.index(i), count=1)  # the other consumer, its P.V retired
+        mbarrier.init(l_ready.index(0), count=2)
+
+        # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
+        gfh._store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                             k_ready, k_empty, p_ready, p_empty, l_ready,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             0, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT)),
+                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                             k_ready, k_empty, p_ready, p_empty, l_ready,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, hb, num_tiles, H, num_splits,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             1, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT)),
+                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                _BN, K_STAGES)),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class SeesawParams:
+    """Compile-time shape of the seesaw kernel."""
+
+    k_stages: int = 4  # K ring depth: 4 x 36 KB (the most that fits beside Q and P)
+    # P.V k-steps whose register operands (16 registers each) are in flight at once
+    pv_in_flight: int = 2
+    # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
+    consumer_regs: int = 216
+    producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
+    # the Q.K of a consumer's next tile issued before it waits for the other's P: overlaps Q.K with the other's
+    # softmax, but S's 32 registers held across P.V leave room for one P.V operand in flight (two spill at 224
+    # and serialize at 216): 375-381 vs 344-357 µs at 320 rows (H200, NOTES v16), so off by default
+    qk_prefetch: bool = False
+    # pv_in_flight for P.V of the other consumer's tiles (0: pv_in_flight), where a prefetched S is held beside it
+    pv_in_flight_other: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pv_in_flight not in (1, 2, 4) or self.pv_in_flight_other not in (0, 1, 2, 4):
+            raise ValueError(f"pv_in_flight must be 1, 2 or 4 (pv_in_flight_other also 0), got "
+                             f"{self.pv_in_flight}, {self.pv_in_flight_other}")
+        regs = (self.consumer_regs, self.producer_regs)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
+            raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
+                             f"504 - both, in [consumer_regs, 256], got {regs}")
+        smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
+        if self.k_stages < 2 or smem > 227 * 1024:
+            raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
+
+    def config(self, heads: int | None = None) -> td.Config:
+        """The triton_decode.Config the split heuristic and the workspace see (64-head, 64-token tiles, 1 CTA an
+        SM: gluon_decode's)."""
+        return gd.gluon_config(BLOCK_N)
+
+
+def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
+    """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
+    return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
+                PRODUCER_REGS=params.producer_regs, QK_PREFETCH=params.qk_prefetch,
+                OTHER_IN_FLIGHT=params.pv_in_flight_other or params.pv_in_flight)
+
+
+def seesaw_verified() -> bool:
+    """Whether this Triton version is one the kernel passed its GPU tests on."""
+    return gd._triton_is(VERIFIED_TRITON)
+
+
+def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
+           ws: td.Workspace, splits: int, params: SeesawParams) -> Any:
+    """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+    return gd.launch_kernel(seesaw_decode_kernel, triton.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
+                            counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params))
+
+
+def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: float, output_scale: float, out, lse=None,
+                             workspace: td.Workspace | None = None, splits: int | None = None,
+                             params: SeesawParams | None = None) -> Any:
+    """Sparse MLA decode of an fp8 cache with the seesaw kernel: gluon_decode.gluon_sparse_mla_decode's contract
+    (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
+    from triton_decode.make_workspace with params.config(); None allocates one: tests only)."""
+    reason = gd.gluon_unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"the seesaw Gluon decode kernel cannot run here: {reason}")
+    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    rows, heads = query.shape[0], query.shape[1]
+    if heads <= 32:
+        raise ValueError(f"query must have > 32 heads for the 64-head seesaw kernel, got {heads}")
+    params = params or SeesawParams()
+    if rows == 0:
+        return None
+    workspace, splits = td.one_off_scratch(query, slots, "fp8", params.config(), workspace, splits)
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
