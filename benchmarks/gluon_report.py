@@ -127,7 +127,10 @@ def analyze(kernel) -> dict[str, object]:
         "setmaxnreg": setmaxnreg,
         "spill_stores": int(spill.group(1)) if spill else None,
         "spill_loads": int(spill.group(2)) if spill else None,
-        "wgmma_serialized": bool(re.search(r"C751[0-9]", ptxas)),
+        # C7510-C7515: ptxas serialized the wgmmas (a whole kernel's worth); C7516-C7519: it injected a warpgroup
+        # wait / arrive at a few places (registers an in-flight wgmma defines or reads)
+        "wgmma_serialized": bool(re.search(r"C751[0-5]", ptxas)),
+        "wgmma_injected": len(re.findall(r"C751[6-9]", ptxas)),
         "loops": loops,
         "sass": sass,
     }
@@ -155,7 +158,7 @@ def main() -> None:
             continue
         s = analyze(k)
         print(f"{name}: smem {s['shared']} B, launch regs {s['regs_launch']}, stack {s['stack']} B, "
-              f"spills st/ld {s['spill_stores']}/{s['spill_loads']} B, wgmma serialized: {s['wgmma_serialized']}, "
+              f"spills st/ld {s['spill_stores']}/{s['spill_loads']} B, wgmma serialized: {s['wgmma_serialized']} (injected waits {s['wgmma_injected']}), "
               f"setmaxnreg {s['setmaxnreg']}")
         for lp in s["loops"]:
             ops = " ".join(f"{o}={n}" for o, n in lp["ops"].items())

@@ -109,10 +109,21 @@ MEASURED_REG_V_US = {
 }
 
 
-@pytest.mark.parametrize("heads,rows", [(h, r) for h, times in MEASURED_REG_V_US.items() for r in times])
-def test_plan_cost_picks_the_measured_faster_reg_v_occupancy(heads: int, rows: int) -> None:
+# The same with pv_early on the two-CTA form (NOTES v16; results/h200-2026-12-04/stream-k, one run, after the fit)
+MEASURED_REG_V_EARLY_US = {
+    16: {20: (19.1, 19.8), 40: (25.8, 27.1), 80: (48.1, 39.5), 120: (50.8, 51.6), 160: (73.5, 74.2), 200: (97.0, 74.8),
+         264: (98.7, 81.2), 320: (130.6, 113.6)},
+    32: {20: (24.1, 24.5), 40: (45.2, 35.2), 80: (69.2, 65.9), 120: (95.3, 73.4), 160: (127.6, 103.7),
+         200: (154.6, 137.4), 264: (187.6, 141.9), 320: (232.6, 190.1)},
+}
+
+
+@pytest.mark.parametrize("table,heads,rows", [(name, h, r) for name, t in (("v15", MEASURED_REG_V_US),
+                                                                          ("early", MEASURED_REG_V_EARLY_US))
+                                               for h, times in t.items() for r in times])
+def test_plan_cost_picks_the_measured_faster_reg_v_occupancy(table: str, heads: int, rows: int) -> None:
     """plan_cost with TWO_CTA_TILE_COST picks the form (one or two CTAs an SM) the H200 ran faster."""
-    one, two = MEASURED_REG_V_US[heads][rows]
+    one, two = (MEASURED_REG_V_US if table == "v15" else MEASURED_REG_V_EARLY_US)[heads][rows]
     costs = {c: plan_cost(rows, heads, 2048, reg_v_params(c).config(heads), 132) for c in (1, 2)}
     assert min(costs, key=costs.get) == (2 if two < one else 1)
 

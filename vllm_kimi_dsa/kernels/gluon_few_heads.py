@@ -34,8 +34,11 @@ which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 
 more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15). pv_early
 (two CTAs, on PV_EARLY_VERIFIED_TRITON): P.V of tile it - 1 issued before the wait for tile it, freeing its stage one
 wait sooner (the K ring of 2 is what both warpgroups wait on): another 3-5% at 80-320 rows. stream (reg_v;
-launch_stream; PREPARED, NOT YET GPU-RUN, no kernel choice uses it): a stream-K grid of exactly the chip's slots, each
-CTA an even share of the batch's rows x tiles (_stream_body, _regv_stream_consumer, triton_decode.stream_combine).
+launch_stream; GPU-tested on Triton 3.6 and 3.8, no kernel choice uses it): a stream-K grid of exactly the chip's
+slots, each CTA an even share of the batch's rows x tiles (_stream_body, _regv_stream_consumer,
+triton_decode.stream_combine). Slower than the two-CTA tail-split plans everywhere but 160 rows at H = 16 (70.8 vs
+74.2 µs; 121.3 vs 113.6 at 320, 47.2 vs 39.5 at 80; NOTES v16): its gatherer finds each tile's row and count, and
+the combine is one more launch even where no row is split.
 nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
 `tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
 352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
@@ -715,7 +718,7 @@ class FewHeadsParams:
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
     # reg_v: a stream-K grid (launch_stream): exactly the chip's slots, each CTA an even share of the batch's
-    # rows x tiles, rows split only where a share ends. PREPARED, NOT YET GPU-RUN (NOTES v15): no kernel choice uses it
+    # rows x tiles, rows split only where a share ends. GPU-tested; no kernel choice uses it (slower, NOTES v16)
     stream: bool = False
 
     def __post_init__(self) -> None:
@@ -778,11 +781,13 @@ REG_V_MIN_ROWS = 20
 # 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
 # to the H200's tail-split times at K = 2048 (NOTES v15): µs a model tile 2.4-3.2 against 1.5-2.0 at H = 16 (12 row
 # counts, 5..320), 2.2-2.4 against 1.4-1.5 at H = 32 (10 row counts, 23..320); with these the model picks the faster
-# form at all 22 (the misses of one factor for both, 1.6, cost up to 2.7 µs).
+# form at all 22 (the misses of one factor for both, 1.6, cost up to 2.7 µs). Checked again with pv_early (NOTES
+# v16: 16 points at H = 16 / 32, 20..320 rows): still the faster form at all 16, so not refitted.
 TWO_CTA_TILE_COST = {1: 1.7, 2: 1.5}
 # Versions on which the two-CTA form's pv_early order passed its GPU tests (H200; 3-5% faster at 80-320 rows than
-# the two-CTA form without it, NOTES v15); elsewhere reg_v_params(2) keeps the order reg_v was verified with
-PV_EARLY_VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
+# the two-CTA form without it, NOTES v15; Triton 3.8: results/h200-2026-12-04/stream-k/tests_t38.log); elsewhere
+# reg_v_params(2) keeps the order reg_v was verified with
+PV_EARLY_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 # Versions on which reg_v passed its GPU tests (fp8, every head count): TritonDecode uses it only on these
 REG_V_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 
@@ -848,7 +853,7 @@ def launch_stream(query, kv_rows, slots, counts, out, lse, softmax_scale: float,
                   ws: td.Workspace, params: FewHeadsParams) -> Any:
     """The stream-K form (params.stream): grid (head blocks, CTAs), each CTA an even share of the rows x 64-token
     tiles of the width; rows split between CTAs are merged by triton_decode.stream_combine. Inputs already checked;
-    ws holds stream_entries(heads, params, sms) partial entries. PREPARED, NOT YET GPU-RUN (NOTES v15)."""
+    ws holds stream_entries(heads, params, sms) partial entries. No kernel choice uses it (NOTES v16)."""
     rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
     if rows == 0:  # no units: the gatherer's first unit would read counts[-1]
         return None
