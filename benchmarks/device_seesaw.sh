@@ -9,17 +9,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/seesaw_out}
 mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-tests() {  # name, timeout, -k expression
-  timeout "$2" python3 -m pytest tests/test_gluon_seesaw.py -q -p no:cacheprovider -rs -k "$3" \
-    --junitxml="$OUT/junit_$1.xml" > "$OUT/tests_$1.log" 2>&1
-  local rc=$?
-  echo "tests $1 rc=$rc: $(tail -1 "$OUT/tests_$1.log")"
-  grep -E "^(FAILED|ERROR)|Error|error:" "$OUT/tests_$1.log" | head -8
-  return $rc
-}
+. benchmarks/device_lib.sh
 QUICK="r2-h64 or r7-h96-k1024-sNone or r5-h128-k2048-s3-ks4"
 OK=0
-tests quick "${QUICK_S:-150}" "$QUICK" && tests rest "${REST_S:-200}" "not ($QUICK)" && OK=1
+F=tests/test_gluon_seesaw.py
+tests $F quick "${QUICK_S:-150}" "$QUICK" && tests $F rest "${REST_S:-200}" "not ($QUICK)" && OK=1
 if [ "$OK" = 1 ]; then
   timeout "${BENCH_S:-200}" python3 -u benchmarks/bench_gluon.py --out "$OUT" \
     --only "${ONLY:-gluon,gluon-tail,seesaw,seesaw-tail,seesaw-pv2-tail,seesaw-p48-tail,seesaw-ks3-tail}" \
@@ -31,5 +25,5 @@ if [ "$OK" = 1 ] && [ -f .carry/t38/t38.tar.xz ]; then
   mkdir -p /tmp/t38 && tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || exit 3
   export PYTHONPATH=/tmp/t38:$(pwd) VLLM_KIMI_DSA_GLUON=1
   python3 -c "import triton; print('triton', triton.__version__)"
-  tests t38 "$(( ${TOTAL_S:-585} - SECONDS ))" "not nothing"
+  tests $F t38 "$(( ${TOTAL_S:-585} - SECONDS ))" "not nothing"
 fi

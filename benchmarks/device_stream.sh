@@ -10,16 +10,10 @@ OUT=${OUT:-/tmp/stream_out}
 mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 K_CASES="cta2 or early or graph or tail_split or kernel_class"
-tests() {  # name, timeout, -k expression
-  timeout "$2" python3 -m pytest tests/test_gluon_few_heads.py -q -p no:cacheprovider -rs -k "$3" \
-    --junitxml="$OUT/junit_$1.xml" > "$OUT/tests_$1.log" 2>&1
-  local rc=$?
-  echo "tests $1 rc=$rc: $(tail -1 "$OUT/tests_$1.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/tests_$1.log" | head -8
-  return $rc
-}
-tests stream "${STREAM_S:-120}" stream && STREAM_OK=1 || STREAM_OK=0
-tests cases "${CASES_S:-150}" "$K_CASES"
+. benchmarks/device_lib.sh
+F=tests/test_gluon_few_heads.py
+tests $F stream "${STREAM_S:-120}" stream && STREAM_OK=1 || STREAM_OK=0
+tests $F cases "${CASES_S:-150}" "$K_CASES"
 B="few-tail-regv,few-tail-regv-2cta-early"; [ "$STREAM_OK" = 1 ] && B="$B,few-stream-2cta,few-stream-regv"
 timeout "${BENCH_S:-200}" python3 -u benchmarks/bench_few_heads.py --out "$OUT" --only "$B" \
   --rows "${ROWS:-5,20,40,80,120,160,200,264,320}" --heads "${HEADS:-16,32}" 2>&1 | grep -v Warning \
@@ -29,5 +23,5 @@ if [ -f .carry/t38/t38.tar.xz ]; then
   mkdir -p /tmp/t38 && tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || exit 3
   export PYTHONPATH=/tmp/t38:$(pwd) VLLM_KIMI_DSA_GLUON=1
   python3 -c "import triton; print('triton', triton.__version__)"
-  tests t38 "$(( ${TOTAL_S:-585} - SECONDS ))" "$K_CASES or stream"
+  tests $F t38 "$(( ${TOTAL_S:-585} - SECONDS ))" "$K_CASES or stream"
 fi

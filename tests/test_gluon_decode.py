@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
-from vllm_kimi_dsa.kernels import gluon_decode, triton_decode
+from vllm_kimi_dsa.kernels import gluon_decode, gluon_seesaw, triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import (
     GluonParams,
     gluon_available,
@@ -25,10 +25,16 @@ from vllm_kimi_dsa.kernels.gluon_decode import (
     gluon_sparse_mla_decode,
     gluon_unavailable_reason,
 )
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
 from test_triton_decode import _check as triton_check
 
 GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+# The two 64-head kernels (one contract, one config): the tests below that are not about a kernel's own params run
+# both; test_gluon_seesaw.py has the seesaw kernel's own cases
+DECODES = {"gluon": gluon_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}
+LAUNCHES = {"gluon": lambda *a: gluon_decode.launch(*a, GluonParams()),
+            "seesaw": lambda *a: gluon_seesaw.launch(*a, SeesawParams())}
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -133,11 +139,12 @@ def test_matches_reference(case: Case) -> None:
 
 
 @GPU
-def test_without_lse() -> None:
+@pytest.mark.parametrize("kernel", DECODES)
+def test_without_lse(kernel: str) -> None:
     """lse=None: the kernel writes the workspace's dummy LSE; out must still match."""
     q, kv, slots, counts, ss, os_ = _case(5, 128, 1024, seed=3)
     out, _ = _poisoned(5, 128)
-    gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
+    DECODES[kernel](q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
     torch.cuda.synchronize()
     _, ref_lse = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
     _check(out, ref_lse, q, kv, slots, counts, ss, os_)
@@ -167,8 +174,9 @@ def assert_agree(out_a: torch.Tensor, out_b: torch.Tensor, ref: torch.Tensor) ->
 
 
 @GPU
+@pytest.mark.parametrize("kernel", DECODES)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_cuda_graph_replay(splits: int) -> None:
+def test_cuda_graph_replay(splits: int, kernel: str) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, heads, width = 7, 128, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
@@ -177,8 +185,8 @@ def test_cuda_graph_replay(splits: int) -> None:
     out, lse = _poisoned(rows, heads)
 
     def call() -> None:
-        gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                                workspace=ws, splits=splits)
+        DECODES[kernel](q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse, workspace=ws,
+                        splits=splits)
 
     replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
     _check(out, lse, q, kv, slots, counts, ss, os_)
@@ -223,20 +231,21 @@ def run_tail_split_plan(launch, cfg: triton_decode.Config, rows: int, heads: int
 
 
 @GPU
+@pytest.mark.parametrize("kernel", LAUNCHES)
 @pytest.mark.parametrize("rows", [80, 160])
-def test_tail_split_plan(rows: int) -> None:
+def test_tail_split_plan(rows: int, kernel: str) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices (80 rows on 132 SMs: 66 whole, 14 split 4 ways); count-0 rows at the seam."""
-    _check(*run_tail_split_plan(lambda *a: gluon_decode.launch(*a, GluonParams()), gluon_config(), rows, 128,
-                                seed=31 + rows))
+    _check(*run_tail_split_plan(LAUNCHES[kernel], gluon_config(), rows, 128, seed=31 + rows))
 
 
 @GPU
-def test_rejects_few_heads() -> None:
+@pytest.mark.parametrize("kernel", DECODES)
+def test_rejects_few_heads(kernel: str) -> None:
     q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
     out, lse = _poisoned(3, 32)
     with pytest.raises(ValueError, match="heads"):
-        gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
+        DECODES[kernel](q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}")

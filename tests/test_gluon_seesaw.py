@@ -5,9 +5,11 @@ Triton versions); the checks of the params run everywhere. Inputs are test_gluon
 -1 holes, junk past counts, a count-0 row, a 1-token row and an all-holes row, so rows (and splits) of 0, 1, odd and
 even tile counts (which consumer owns the last tile, and who takes it as the other's); odd row counts; 64 / 96 / 128
 heads (96: a half-empty second head block); widths 128 / 1024 / 2048; one split and several (the combine); K rings of
-2-4; one or two P.V register operands in flight; outputs poisoned with NaN; a CUDA-graph capture / replay; a
-tail-split plan. Tolerance: test_triton_decode's check for the 64-head fp8 config (bf16 output rounding, fp16 P, the
-fp8 wgmma's logits within conftest.wgmma_logit_bound): the same arithmetic as gluon_decode's kernel. NaN never passes.
+2-4; one, two or four P.V register operands in flight; the Q.K prefetch; outputs poisoned with NaN; the kernel choice
+(TritonDecode from SEESAW_MIN_ROWS rows). test_gluon_decode.py runs its lse=None, CUDA-graph replay, tail-split and
+few-heads-rejection tests on this kernel too. Tolerance: test_triton_decode's check for the 64-head fp8 config (bf16
+output rounding, fp16 P, the fp8 wgmma's logits within conftest.wgmma_logit_bound): the same arithmetic as
+gluon_decode's kernel. NaN never passes.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from test_gluon_decode import _case, _check, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
-from vllm_kimi_dsa.kernels import gluon_seesaw, triton_decode
+from test_gluon_decode import _case, _check, _poisoned, assert_agree
+from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_sparse_mla_decode, gluon_unavailable_reason
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
@@ -118,52 +120,6 @@ def test_agrees_with_gluon_kernel() -> None:
     assert torch.equal(torch.isfinite(lse_s), torch.isfinite(lse_g))
     assert_agree(out_s, out_g, reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss,
                                                 output_scale=os_)[0])
-
-
-@GPU
-def test_without_lse() -> None:
-    """lse=None: the kernel writes the workspace's dummy LSE; out must still match."""
-    q, kv, slots, counts, ss, os_ = _case(5, 128, 1024, seed=3)
-    out, _ = _poisoned(5, 128)
-    seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=None, splits=2)
-    torch.cuda.synchronize()
-    _, ref_lse = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_)
-    _check(out, ref_lse, q, kv, slots, counts, ss, os_)
-
-
-@GPU
-@pytest.mark.parametrize("splits", [1, 3])
-def test_cuda_graph_replay(splits: int) -> None:
-    """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
-    rows, heads, width = 7, 128, 1024
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
-    params = SeesawParams()
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), config=params.config())
-    out, lse = _poisoned(rows, heads)
-
-    def call() -> None:
-        seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                                 workspace=ws, splits=splits, params=params)
-
-    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=22)[:4], out, lse)
-    _check(out, lse, q, kv, slots, counts, ss, os_)
-
-
-@GPU
-@pytest.mark.parametrize("rows", [80, 160])
-def test_tail_split_plan(rows: int) -> None:
-    """A tail-split plan: the rows of full waves unsplit, the rest split and combined; count-0 rows at the seam."""
-    params = SeesawParams()
-    _check(*run_tail_split_plan(lambda *a: gluon_seesaw.launch(*a, params), params.config(), rows, 128,
-                                seed=41 + rows))
-
-
-@GPU
-def test_rejects_few_heads() -> None:
-    q, kv, slots, counts, ss, os_ = _case(3, 32, 128, seed=5)
-    out, lse = _poisoned(3, 32)
-    with pytest.raises(ValueError, match="heads"):
-        seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse)
 
 
 @GPU

@@ -7,7 +7,6 @@ kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from dataclasses import dataclass
