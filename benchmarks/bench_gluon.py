@@ -66,6 +66,10 @@ SEESAW_VARIANTS: dict[str, dict] = {
                              "consumer_regs": 232, "tail_split": True},
     "seesaw-pf22-p56-tail": {"qk_prefetch": True, "pv_in_flight": 2, "producer_regs": 56, "consumer_regs": 224,
                              "tail_split": True},
+    # early_softmax (PREPARED, not yet GPU-run): the next own Q.K and its softmax before the other's max
+    "seesaw-early-tail": {"early_softmax": True, "tail_split": True},
+    "seesaw-early-o1-tail": {"early_softmax": True, "pv_in_flight_other": 1, "tail_split": True},
+    "seesaw-early-p40-tail": {"early_softmax": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
 }
 
 

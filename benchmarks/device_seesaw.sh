@@ -16,8 +16,8 @@ F=tests/test_gluon_seesaw.py
 tests $F quick "${QUICK_S:-150}" "$QUICK" && tests $F rest "${REST_S:-200}" "not ($QUICK)" && OK=1
 if [ "$OK" = 1 ]; then
   timeout "${BENCH_S:-200}" python3 -u benchmarks/bench_gluon.py --out "$OUT" \
-    --only "${ONLY:-gluon,gluon-tail,seesaw,seesaw-tail,seesaw-pv2-tail,seesaw-p48-tail,seesaw-ks3-tail}" \
-    --rows "${ROWS:-5,20,64,80,160,320}" ${SPLITS:+--probe seesaw --splits "$SPLITS"} 2>&1 | grep -v Warning \
+    --only "${ONLY:-gluon-tail,seesaw-tail,seesaw-early-tail,seesaw-early-o1-tail,seesaw-early-p40-tail}" \
+    --rows "${ROWS:-5,20,64,80,160,200,240,320}" ${SPLITS:+--probe seesaw --splits "$SPLITS"} 2>&1 | grep -v Warning \
     > "$OUT/bench.log"
   echo "bench rc=${PIPESTATUS[0]}"; grep -B2 -A10 "^kernel " "$OUT/bench.log"; grep -E "FAILED|BAD" "$OUT/bench.log"
 fi

@@ -39,12 +39,14 @@ class Case:
     pv_in_flight: int = 1
     qk_prefetch: bool = False
     other: int = 0  # pv_in_flight_other
+    early: bool = False  # early_softmax
 
     def params(self) -> SeesawParams:
         # two operands in flight beside a prefetched S at 224 registers (at 216 ptxas serializes them)
         regs, producer = (224, 56) if self.qk_prefetch and max(self.pv_in_flight, self.other) > 1 else (216, 48)
         return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, consumer_regs=regs,
-                            producer_regs=producer, qk_prefetch=self.qk_prefetch, pv_in_flight_other=self.other)
+                            producer_regs=producer, qk_prefetch=self.qk_prefetch, pv_in_flight_other=self.other,
+                            early_softmax=self.early)
 
 
 CASES = [
@@ -73,12 +75,20 @@ CASES = [
     Case(19, 128, 2048, splits=2, qk_prefetch=True, pv_in_flight=2, other=1, k_stages=2),
     Case(33, 128, 1024, splits=1, qk_prefetch=True, pv_in_flight=2),
     Case(320, 128, 2048, qk_prefetch=True, pv_in_flight=2, other=1),
+    # early_softmax (PREPARED, not yet run on a GPU when written: NOTES v16): each consumer's next Q.K and softmax
+    # against the tile's own max before the other's max arrives, P' rescaled after
+    Case(2, 64, 128, splits=1, early=True),
+    Case(7, 96, 1024, splits=1, early=True),
+    Case(19, 128, 2048, splits=2, early=True, k_stages=2),
+    Case(33, 128, 1024, splits=1, early=True, other=1),
+    Case(5, 128, 2048, splits=3, early=True),
+    Case(320, 128, 2048, early=True),
 ]
 
 
 def _case_id(c: Case) -> str:
     return (f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}"
-            f"{f'-pf{c.other}' if c.qk_prefetch else ''}")
+            f"{f'-pf{c.other}' if c.qk_prefetch else ''}{f'-early{c.other}' if c.early else ''}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -92,6 +102,8 @@ def test_rejects_bad_params() -> None:
         SeesawParams(pv_in_flight=3)
     with pytest.raises(ValueError, match="k_stages"):
         SeesawParams(k_stages=6)
+    with pytest.raises(ValueError, match="early_softmax"):
+        SeesawParams(early_softmax=True, qk_prefetch=True)
     with pytest.raises(ValueError, match="consumer_regs"):
         SeesawParams(consumer_regs=240, producer_regs=56)  # WG0 would get 208 < 240
 

@@ -182,6 +182,40 @@ if gl is not None:
         return s, m_new, l_i, acc
 
     @gluon.jit
+    def _early_softmax(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, k_ready, qk_scale, K_STAGES: gl.constexpr):
+        """EARLY_SOFTMAX: S_t = Q K_t^T of this consumer's next tile and its softmax against the tile's own row max,
+        P' = exp2(S_t - m_loc) (fp16) and l' = sum P', before the running max m_(t-1) is known, i.e. off the chain
+        the consumers hand back and forth; _finish_tile scales P' by exp2(m_loc - m_t). Returns (P', m_loc, l')."""
+        s = warpgroup_mma_wait(num_outstanding=0,
+                               deps=(_issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
+        bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
+        s = s * qk_scale + gl.expand_dims(bias, 0)
+        m_loc = gl.max(s, axis=1)
+        p = gl.exp2(s - gl.expand_dims(gl.where(m_loc == float("-inf"), 0.0, m_loc), 1))
+        return p.to(gl.float16), m_loc, gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _finish_tile(t, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
+                     HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """EARLY_SOFTMAX: tile t, this consumer's, once m_i = m_(t-1) is in: m_t = max(m_(t-1), m_loc), P_t = P'
+        exp2(m_loc - m_t) and m_t published, l and O^T rescaled, this consumer's P.V of the tile, retired. Returns
+        (m_t, l, O^T)."""
+        m_new = gl.maximum(m_i, m_loc)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        c = gl.exp2(m_loc - m_use)  # <= 1; 0 where the tile is all holes (m_loc = -inf, P' = 0)
+        l_i = l_i * alpha + l_loc * c
+        b = t % 2
+        mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
+        p_s.index(b).store(p_loc * gl.expand_dims(c.to(gl.float16), 1))
+        x_s.index(b).store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(b))
+        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        return m_new, l_i, acc
+
+    @gluon.jit
     def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
                   num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
@@ -223,7 +257,7 @@ if gl is not None:
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, QK_PREFETCH: gl.constexpr,
-        OTHER_IN_FLIGHT: gl.constexpr,
+        OTHER_IN_FLIGHT: gl.constexpr, EARLY_SOFTMAX: gl.constexpr,
     ):
         """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile), takes P.V of the others (_other_tile, which
         issues the Q.K of the next own tile first). Consumer 0 starts with tile 0 (its Q.K not prefetched); each
@@ -237,7 +271,15 @@ if gl is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
                                           qk_scale, HALF, K_STAGES, IN_FLIGHT)
-            for pair in range(1, (num_tiles + 1) // 2):
+            for pair in range(1, (num_tiles + 1) // 2 if EARLY_SOFTMAX else 1):
+                p_loc, m_loc, l_loc = _early_softmax(2 * pair, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, k_ready,
+                                                     qk_scale, K_STAGES)
+                _, m_i, l_i, acc = _other_tile(2 * pair - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, OTHER_IN_FLIGHT, False)
+                m_i, l_i, acc = _finish_tile(2 * pair, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s,
+                                             k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
+            for pair in range(1, 1 if EARLY_SOFTMAX else (num_tiles + 1) // 2):
                 s, m_i, l_i, acc = _other_tile(2 * pair - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
                                                p_s, x_s, k_ready, k_empty, p_ready, p_empty,
                                                HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
@@ -251,7 +293,15 @@ if gl is not None:
                                                p_s, x_s, k_ready, k_empty, p_ready, p_empty,
                                                HALF, K_STAGES, IN_FLIGHT, False)
         else:
-            for pair in range(num_tiles // 2):
+            for pair in range(num_tiles // 2 if EARLY_SOFTMAX else 0):
+                p_loc, m_loc, l_loc = _early_softmax(2 * pair + 1, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s,
+                                                     k_ready, qk_scale, K_STAGES)
+                _, m_i, l_i, acc = _other_tile(2 * pair, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
+                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                               HALF, K_STAGES, OTHER_IN_FLIGHT, False)
+                m_i, l_i, acc = _finish_tile(2 * pair + 1, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s,
+                                             k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
+            for pair in range(0 if EARLY_SOFTMAX else num_tiles // 2):
                 s, m_i, l_i, acc = _other_tile(2 * pair, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
                                                p_s, x_s, k_ready, k_empty, p_ready, p_empty,
                                                HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
@@ -281,6 +331,7 @@ if gl is not None:
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
         QK_PREFETCH: gl.constexpr = True,  # the non-owner of a tile issues the Q.K of its next tile first
         OTHER_IN_FLIGHT: gl.constexpr = 1,  # PV_IN_FLIGHT for the other consumer's tiles
+        EARLY_SOFTMAX: gl.constexpr = False,  # a consumer's next Q.K and softmax before the other's max (PREPARED)
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
@@ -317,13 +368,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT)),
+                             0, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT, EARLY_SOFTMAX)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                              k_ready, k_empty, p_ready, p_empty, l_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT)),
+                             1, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT, EARLY_SOFTMAX)),
                 (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
@@ -352,8 +403,14 @@ class SeesawParams:
     qk_prefetch: bool = False
     # pv_in_flight for P.V of the other consumer's tiles (0: pv_in_flight), where a prefetched S is held beside it
     pv_in_flight_other: int = 0
+    # a consumer's next tile's Q.K and its softmax against the tile's own max (P' in fp16, 16 registers) before it
+    # waits for the other's m, then P' scaled once m is in: the Q.K and the softmax off the chain the two hand back
+    # and forth, without holding S across P.V. PREPARED, NOT YET GPU-RUN (NOTES v16): no kernel choice uses it
+    early_softmax: bool = False
 
     def __post_init__(self) -> None:
+        if self.early_softmax and self.qk_prefetch:
+            raise ValueError("early_softmax and qk_prefetch are two orders of the same Q.K: set one")
         if self.pv_in_flight not in (1, 2, 4) or self.pv_in_flight_other not in (0, 1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4 (pv_in_flight_other also 0), got "
                              f"{self.pv_in_flight}, {self.pv_in_flight_other}")
@@ -375,7 +432,7 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
                 PRODUCER_REGS=params.producer_regs, QK_PREFETCH=params.qk_prefetch,
-                OTHER_IN_FLIGHT=params.pv_in_flight_other or params.pv_in_flight)
+                OTHER_IN_FLIGHT=params.pv_in_flight_other or params.pv_in_flight, EARLY_SOFTMAX=params.early_softmax)
 
 
 def seesaw_verified() -> bool:
