@@ -143,6 +143,15 @@ if gl is not None:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = _publish_and_pv(t, p, m_new, alpha, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
+                              HALF, K_STAGES, IN_FLIGHT)
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _publish_and_pv(t, p, m_new, alpha, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
+                        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """The owner's end of tile t: P_t (as fp16) and m_t into shared memory for the other consumer (p_ready), then
+        O^T rescaled by alpha and this consumer's P.V of the tile, retired. Returns O^T."""
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
         mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
@@ -151,8 +160,7 @@ if gl is not None:
         fence_async_shared()
         mbarrier.arrive(p_ready.index(b))
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        return m_new, l_i, acc
+        return warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
     @gluon.jit
     def _other_tile(t, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s, p_s, x_s, k_ready, k_empty, p_ready,
@@ -205,14 +213,8 @@ if gl is not None:
         alpha = gl.exp2(m_i - m_use)
         c = gl.exp2(m_loc - m_use)  # <= 1; 0 where the tile is all holes (m_loc = -inf, P' = 0)
         l_i = l_i * alpha + l_loc * c
-        b = t % 2
-        mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
-        p_s.index(b).store(p_loc * gl.expand_dims(c.to(gl.float16), 1))
-        x_s.index(b).store(m_new)
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(b))
-        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        acc = _publish_and_pv(t, p_loc * gl.expand_dims(c.to(gl.float16), 1), m_new, alpha, acc, k_lat_s, p_s, x_s,
+                              k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, acc
 
     @gluon.jit
