@@ -595,10 +595,7 @@ class GluonParams:
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
-        regs = (self.consumer_regs, self.producer_regs)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
-            raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
-                             f"504 - both >= consumer_regs, got {regs}")
+        check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
         smem += 2 * BLOCK_H * self.block_n * 2  # the P halves, two tiles
         smem += 2048  # the token bias, the row-max exchange, mbarriers and Triton's warp-specialize state
@@ -609,6 +606,15 @@ class GluonParams:
     def config(self) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM)."""
         return gluon_config(self.block_n)
+
+
+def check_warpgroup_regs(consumer_regs: int, producer_regs: int) -> None:
+    """setmaxnreg budgets of a 12-warp kernel (the default partition = consumer WG0, workers consumer WG1 and the
+    producer): each request a multiple of 8 in [24, 256], and WG0's 504 - both requests in [consumer_regs, 256]."""
+    regs = (consumer_regs, producer_regs)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(consumer_regs, 257):
+        raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
+                         f"504 - both, in [consumer_regs, 256], got {regs}")
 
 
 def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:

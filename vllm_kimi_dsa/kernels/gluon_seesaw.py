@@ -416,10 +416,7 @@ class SeesawParams:
         if self.pv_in_flight not in (1, 2, 4) or self.pv_in_flight_other not in (0, 1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4 (pv_in_flight_other also 0), got "
                              f"{self.pv_in_flight}, {self.pv_in_flight_other}")
-        regs = (self.consumer_regs, self.producer_regs)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(self.consumer_regs, 257):
-            raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
-                             f"504 - both, in [consumer_regs, 256], got {regs}")
+        gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
             raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
