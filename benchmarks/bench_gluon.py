@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -35,7 +36,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
     gluon_unavailable_reason,
 )
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_TILES, SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
@@ -72,6 +73,10 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-early-p40-tail": {"early_softmax": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
 }
 
+# both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel when its
+# CTAs run at least this many tiles (gluon_seesaw.seesaw_takes at SEESAW_MIN_TILES), on gluon_decode's otherwise
+MIXED_VARIANTS: dict[str, int] = {"mixed-tail": SEESAW_MIN_TILES, "mixed16-tail": 16}
+
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
     """(the kernel-parameter overrides, whether the variant runs the tail-split plan)."""
@@ -94,6 +99,14 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
+    if name in MIXED_VARIANTS:
+        sp, gp, min_tiles = SeesawParams(), GluonParams(), MIXED_VARIANTS[name]
+
+        def mixed(*args):  # args[-1]: the launch's splits
+            if triton.cdiv(triton.cdiv(K, sp.config().block_n), args[-1]) >= min_tiles:
+                return seesaw_launch(*args, sp)
+            return gluon_launch(*args, gp)
+        return tail_split_call(mixed, sp.config(), q, kv, slots, counts, out, lse, ws)
     if name in SEESAW_VARIANTS:
         overrides, tail = kernel_params(SEESAW_VARIANTS[name])
         sp = SeesawParams(**overrides)
@@ -136,6 +149,8 @@ def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
 def _config(name: str) -> td.Config:
     if name == "triton":
         return td.default_config(HEADS, "fp8")
+    if name in MIXED_VARIANTS:
+        return SeesawParams().config()
     if name in SEESAW_VARIANTS:
         return SeesawParams(**kernel_params(SEESAW_VARIANTS[name])[0]).config()
     return gluon_config(GluonParams(**kernel_params(GLUON_VARIANTS[name])[0]).block_n)
@@ -148,10 +163,10 @@ def main() -> None:
     p.add_argument("--splits", default="",
                    help="also probe a kernel (--probe) at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
-    p.add_argument("--probe", default="gluon", help="the kernel name --splits probes")
+    p.add_argument("--probe", default="gluon", help="the kernel names --splits probes (comma-separated)")
     a = p.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS]
+    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -212,16 +227,17 @@ def main() -> None:
                     [lambda i=i: td.combine(ws, outs[i], lses[i], splits, OSCALE) for i in range(sets)])
                 print(f"{'':20s} the combine alone: {rec['times'][rows]['combine_us']:.1f} us", flush=True)
             print(f"{name:20s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
-    probe = []
-    for item in filter(None, a.splits.split(";")):
-        rows_s, counts_s = item.split(":")
-        picked = td.choose_splits(int(rows_s), HEADS, K, _config(a.probe), sms)
-        for sp in (int(c) for c in counts_s.split(",")):
-            us = _time(a.probe, int(rows_s), sp, kv, _config(a.probe), dev, g)[0]
-            probe.append(dict(kernel=a.probe, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
-            print(f"splits probe: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us (choose_splits picks {picked})",
-                  flush=True)
-    results.setdefault(a.probe, {})["splits_probe"] = probe
+    for probe_name in a.probe.split(","):
+        probe = []
+        for item in filter(None, a.splits.split(";")):
+            rows_s, counts_s = item.split(":")
+            picked = td.choose_splits(int(rows_s), HEADS, K, _config(probe_name), sms)
+            for sp in (int(c) for c in counts_s.split(",")):
+                us = _time(probe_name, int(rows_s), sp, kv, _config(probe_name), dev, g)[0]
+                probe.append(dict(kernel=probe_name, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
+                print(f"splits probe {probe_name}: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us "
+                      f"(choose_splits picks {picked})", flush=True)
+        results.setdefault(probe_name, {})["splits_probe"] = probe
     print()
     print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
     for name, rec in results.items():

@@ -1,6 +1,8 @@
 """One small Gluon decode launch for `compute-sanitizer --tool racecheck --racecheck-report hazard`: the hazard
 report names the shared-memory offsets, to tell the kernel's own buffers (Q, K ring, V16, mbarriers: the first
-~176.5 KB) from the state Triton's warp_specialize lowering keeps after them."""
+~176.5 KB) from the state Triton's warp_specialize lowering keeps after them.
+
+    python3 benchmarks/racecheck_gluon.py [gluon|seesaw]   (the 64-head kernel or the seesaw kernel; default gluon)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import torch  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import seesaw_sparse_mla_decode  # noqa: E402
+
+decode = {"gluon": gluon_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}[sys.argv[1] if len(sys.argv) > 1 else "gluon"]
 
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
@@ -23,6 +28,6 @@ slots = torch.randint(0, 4096, (rows, width), device=dev, generator=g, dtype=tor
 counts = torch.tensor([width, 77], device=dev, dtype=torch.int32)
 out = torch.empty(rows, heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
 lse = torch.empty(rows, heads, device=dev)
-h = gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=0.05, output_scale=1.0, out=out, lse=lse, splits=1)
+h = decode(q, kv, slots, counts, softmax_scale=0.05, output_scale=1.0, out=out, lse=lse, splits=1)
 torch.cuda.synchronize()
 print("smem bytes", h.metadata.shared, "finite", bool(torch.isfinite(out).all()))

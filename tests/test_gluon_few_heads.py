@@ -358,11 +358,12 @@ def test_kernel_class_runs_reg_v_from_its_row_threshold(heads: int, monkeypatch:
     k = triton_decode.TritonDecode(setup)
     if k.gluon is None or not reg_v_verified():
         pytest.skip("the few-heads Gluon kernel or its reg_v params are not verified on this Triton")
-    assert k.gluon_large and k._launches[(small, width)] is not k._launches[(large, width)]
-    picked = {rows: k.kernel_params[rows, width] for rows in (small, large, 81)}
+    assert k.gluon_large and k._launches[small, width][0] is not k._launches[large, width][0]
+    assert all(k.plan_params[rows, width][0] is k.plan_params[rows, width][1] for rows in (small, large, 81))
+    picked = {rows: k.plan_params[rows, width][0] for rows in (small, large, 81)}
     assert not picked[small].reg_v and picked[large].reg_v and picked[81].reg_v
     # the 2-CTA form somewhere in 20..81 rows (the model's pick; 80 rows at 16 heads on the H200)
-    assert any(k.kernel_params[r, width].ctas_per_sm == 2 for r in range(REG_V_MIN_ROWS, 82))
+    assert any(k.plan_params[r, width][0].ctas_per_sm == 2 for r in range(REG_V_MIN_ROWS, 82))
     for rows in (small, large, 81):
         q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=3 + rows)
         counts[1] = 0

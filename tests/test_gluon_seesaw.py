@@ -6,7 +6,7 @@ Triton versions); the checks of the params run everywhere. Inputs are test_gluon
 even tile counts (which consumer owns the last tile, and who takes it as the other's); odd row counts; 64 / 96 / 128
 heads (96: a half-empty second head block); widths 128 / 1024 / 2048; one split and several (the combine); K rings of
 2-4; one, two or four P.V register operands in flight; the Q.K prefetch; outputs poisoned with NaN; the kernel choice
-(TritonDecode from SEESAW_MIN_ROWS rows). test_gluon_decode.py runs its lse=None, CUDA-graph replay, tail-split and
+(TritonDecode: launches of whole long rows). test_gluon_decode.py runs its lse=None, CUDA-graph replay, tail-split and
 few-heads-rejection tests on this kernel too. Tolerance: test_triton_decode's check for the 64-head fp8 config (bf16
 output rounding, fp16 P, the fp8 wgmma's logits within conftest.wgmma_logit_bound): the same arithmetic as
 gluon_decode's kernel. NaN never passes.
@@ -135,25 +135,27 @@ def test_agrees_with_gluon_kernel() -> None:
 
 
 @GPU
-def test_kernel_class_runs_seesaw_from_its_row_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TritonDecode (fp8, 128 heads): batches below SEESAW_MIN_ROWS on gluon_decode's kernel, from it on the seesaw
-    kernel (where verified); both match the reference, one workspace for both."""
+def test_kernel_class_runs_seesaw_on_whole_long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (fp8, 128 heads, K = 2048): 5 rows (split) on gluon_decode's kernel, 64 rows (unsplit) on the
+    seesaw kernel (where verified), 80 rows on both (66 whole rows on the seesaw kernel, 14 split on the other) as
+    on 132 SMs; all match the reference, one workspace for all."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
-    from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_ROWS, seesaw_verified
+    from vllm_kimi_dsa.kernels.gluon_seesaw import seesaw_verified
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
-    small, large, width = 5, SEESAW_MIN_ROWS + 3, 1024
-    heads = 128
-    q, kv, slots, counts, ss, os_ = _case(large, heads, width, seed=61)
-    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large), capacities=(),
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)  # the H200's plans on any Hopper part
+    rows_list, width, heads = (5, 64, 80), 2048, 128
+    q, kv, slots, counts, ss, os_ = _case(max(rows_list), heads, width, seed=61)
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=rows_list, capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
     k = triton_decode.TritonDecode(setup)
     if k.gluon is None or not seesaw_verified():
         pytest.skip("the Gluon kernels or the seesaw kernel are not verified on this Triton")
-    assert isinstance(k.kernel_params[small, width], GluonParams)
-    assert isinstance(k.kernel_params[large, width], SeesawParams)
-    for rows in (small, large):
+    kinds = {r: tuple(type(p) for p in k.plan_params[r, width]) for r in rows_list}
+    assert kinds == {5: (GluonParams, GluonParams), 64: (SeesawParams, SeesawParams),
+                     80: (SeesawParams, GluonParams)}, kinds
+    for rows in rows_list:
         out, lse = _poisoned(rows, heads)
         k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
         torch.cuda.synchronize()

@@ -18,7 +18,7 @@ from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
 from vllm_kimi_dsa.kernels.gluon_few_heads import (REG_V_MIN_ROWS, FewHeadsParams, few_heads_verified, nvfp4_params,
                                                    reg_v_params, reg_v_verified)
-from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_ROWS, SeesawParams, seesaw_verified
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_takes, seesaw_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config, plan_cost
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,11 +79,11 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and not k.gluon.reg_v
-    if heads > 32:  # fp8: the seesaw kernel from SEESAW_MIN_ROWS rows, on the same tiles and plans
+    if heads > 32:  # fp8: the seesaw kernel for launches of whole long rows, on the same tiles and plans
         assert k.gluon_large == ((SeesawParams(),) if want and seesaw_verified() else ())
         assert all(p.config(heads) == k.config for p in k.gluon_large)
-        assert {r for (r, _), p in k.kernel_params.items() if isinstance(p, SeesawParams)} == (
-            {r for r, _ in k.kernel_params if r >= SEESAW_MIN_ROWS} if k.gluon_large else set())
+        if not k.gluon_large:
+            assert all(pair == (k.gluon, k.gluon) for pair in k.plan_params.values())
         return
     # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, at one or two CTAs an SM, with the same tile shape
     assert bool(k.gluon_large) == (want and fmt == "fp8" and reg_v_verified())
@@ -91,8 +91,9 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     for p in k.gluon_large:
         assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
                                                                    tile_cost=p.config(heads).tile_cost)
-    assert {r for (r, _), p in k.kernel_params.items() if getattr(p, "reg_v", False)} == (
-        {r for r, _ in k.kernel_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())
+    assert all(first is tail for first, tail in k.plan_params.values())
+    assert {r for (r, _), (p, _) in k.plan_params.items() if getattr(p, "reg_v", False)} == (
+        {r for r, _ in k.plan_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())
 
 
 # The H200's tail-split times at K = 2048, µs at one / two CTAs an SM (NOTES v15; results/h200-2026-12-04/two-ctas)
@@ -175,6 +176,50 @@ def test_env_turns_gluon_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
     assert (TritonDecode(_setup("fp8", 128)).gluon is not None) == HOPPER
+
+
+def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs on a CPU too (the binding, not the kernels): TritonDecode at 128 heads, fp8, bound as on the H200's 132
+    SMs, runs each launch of a plan whose CTAs get >= SEESAW_MIN_TILES tiles on the seesaw kernel and every other
+    launch on gluon_decode's kernel; the plans are the 64-head kernel's either way."""
+    from vllm_kimi_dsa.kernels import triton_decode
+
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    monkeypatch.setattr(gluon_decode, "gluon_available", lambda device=None: True)
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=128, row_counts=(320,), capacities=(), widths=(1024, 2048),
+                        return_lse=True, softmax_scale=0.04, output_scale=1.0)
+    k = TritonDecode(setup)
+    assert isinstance(k.gluon, GluonParams) and k.gluon_large == (SeesawParams(),)
+    for (rows, width), (first, tail) in k.plan_params.items():
+        whole, splits = k._plans[rows, width]
+        assert (whole, splits) == triton_decode.choose_plan(rows, 128, width, gluon_config(), 132)
+        assert isinstance(first, SeesawParams) == seesaw_takes(width, 1 if whole else splits)
+        assert isinstance(tail, SeesawParams) == seesaw_takes(width, splits)
+        assert all(isinstance(p, (GluonParams, SeesawParams)) for p in (first, tail))
+    kinds = {rows: tuple(type(p).__name__[0] for p in k.plan_params[rows, 2048]) for rows in (5, 20, 64, 80, 200, 320)}
+    # 5 / 20 rows split 11 / 3 ways; 64 and 320 rows unsplit; 80 and 200 rows: whole rows, then a split tail
+    assert kinds == {5: ("G", "G"), 20: ("G", "G"), 64: ("S", "S"), 80: ("S", "G"), 200: ("S", "G"),
+                     320: ("S", "S")}, kinds
+    assert not any(isinstance(p, SeesawParams) for p in k.plan_params[64, 1024])  # 16 tiles a row: too few
+
+
+def test_run_plan_runs_split_rows_on_split_launch() -> None:
+    """run_plan: a one-launch plan on launch; a tail-split plan's whole rows on launch (unsplit), the rest on
+    split_launch, each on its row slice."""
+    from vllm_kimi_dsa.kernels.triton_decode import run_plan
+
+    calls: list[tuple[str, int, int]] = []
+
+    def recorder(name: str):
+        return lambda q, kv, s, c, o, lse, splits: calls.append((name, q.shape[0], splits))
+
+    q, out = torch.zeros(10, 2, 3), torch.zeros(10, 2, 4)
+    slots, counts = torch.zeros(10, 8, dtype=torch.int32), torch.zeros(10, dtype=torch.int32)
+    run_plan(recorder("a"), (0, 3), q, None, slots, counts, out, None, split_launch=recorder("b"))
+    run_plan(recorder("a"), (7, 4), q, None, slots, counts, out, None, split_launch=recorder("b"))
+    run_plan(recorder("a"), (7, 4), q, None, slots, counts, out, None)
+    assert calls == [("a", 10, 3), ("a", 7, 1), ("b", 3, 4), ("a", 7, 1), ("a", 3, 4)]
 
 
 def test_gluon_split_picks_match_the_h200_probe() -> None:

@@ -29,11 +29,12 @@ Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x
   owner's Q.K has retired by then), p_ready[b] (1: the owner), p_empty[b] (1: the non-owner, after its P.V of the
   tile retired), l_ready (2).
 
-Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v16): 343.6 vs gluon_decode's 373.9 µs at 320
-rows, 276.0 vs 300.0 at 240, 242.0 vs 248.0 at 200, level at 160, slower at 5-80 rows (23.8 vs 19.4 at 5), hence
-TritonDecode's SEESAW_MIN_ROWS. The tensor pipe is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K,
-its softmax, the hand-off) runs through both consumers in series, and issuing the Q.K earlier (qk_prefetch) holds S's
-32 registers beside P.V's operands, which then spill or run one at a time.
+Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17): 345.4 vs gluon_decode's 377.7 µs at 320
+rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit; slower where it runs a split row's few tiles (24.1
+vs 19.4 at 5 rows, 53.3 vs 49.1 at 32: 16 tiles), hence TritonDecode's per-launch choice
+(seesaw_takes). The tensor pipe is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax,
+the hand-off) runs through both consumers in series, and issuing the Q.K earlier (qk_prefetch) holds S's 32
+registers beside P.V's operands, which then spill or run one at a time.
 
 The module imports on any machine (CPU, no Gluon) without error; gluon_decode.gluon_available() says whether this
 process can run it.
@@ -54,11 +55,13 @@ BLOCK_H = gd.BLOCK_H  # 64 heads a CTA
 BLOCK_N = 64  # tokens a tile
 # Triton versions on which this kernel passed its GPU tests on the H200; TritonDecode picks it only there (or when
 # asked for with VLLM_KIMI_DSA_GLUON=1)
-VERIFIED_TRITON: tuple[str, ...] = ("3.6",)
-# TritonDecode runs it (fp8, > 32 heads) for batches of at least this many rows, gluon_decode's kernel below: on the
-# H200 (tail-split plans, H = 128, K = 2048) it is 7-8% faster at 320 rows and level at 160, but slower at 5-80 rows
-# (23.8 vs 19.4 µs at 5, 118.6 vs 110.9 at 80), where CTAs run few tiles and its one max exchange a tile is not hidden
-SEESAW_MIN_ROWS = 192
+VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
+# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when each of the launch's CTAs runs at least this many
+# tiles (seesaw_takes), on gluon_decode's kernel otherwise: on the H200 (H = 128, K = 2048) it wins where a CTA runs a
+# whole 32-tile row unsplit (70.8 vs 79.0 µs at 64 rows, 345.4 vs 377.7 at 320) and loses on split rows, where a CTA
+# runs 3-16 tiles (24.1 vs 19.4 µs at 5 rows, 53.3 vs 49.1 at 32 with 16 tiles; both kernels in one plan at 16 tiles:
+# 53.6 vs 49.2 at 32 rows, 204.8 vs 195.2 at 160) (results/h200-2026-12-04/mixed)
+SEESAW_MIN_TILES = 32
 
 gl = gd.gl
 if gl is not None:
@@ -432,6 +435,12 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
                 PRODUCER_REGS=params.producer_regs, QK_PREFETCH=params.qk_prefetch,
                 OTHER_IN_FLIGHT=params.pv_in_flight_other or params.pv_in_flight, EARLY_SOFTMAX=params.early_softmax)
+
+
+def seesaw_takes(width: int, splits: int) -> bool:
+    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: when each
+    CTA gets at least SEESAW_MIN_TILES tiles."""
+    return triton.cdiv(triton.cdiv(width, BLOCK_N), splits) >= SEESAW_MIN_TILES
 
 
 def seesaw_verified() -> bool:

@@ -147,9 +147,11 @@ def plan_table(max_rows: int, heads: int, widths, cfg: Config, sms: int) -> dict
     return {(r, w): choose_plan(r, heads, w, cfg, sms) for r in range(1, max_rows + 1) for w in widths}
 
 
-def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, out, lse, *args: Any) -> None:
+def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, out, lse, *args: Any,
+             split_launch: Any = None) -> None:
     """launch(query, kv_rows, slots, counts, out, lse, *args, splits) over a choose_plan plan: the whole rows unsplit,
-    then the rest (row slices: views, nothing allocated)."""
+    then the rest (row slices: views, nothing allocated) through split_launch (default: launch). A one-launch plan
+    runs on launch."""
     whole, splits = plan
     if not whole:  # one launch over the batch (no slicing: the common plan, kept cheap on the host)
         launch(query, kv_rows, slots, counts, out, lse, *args, splits)
@@ -157,8 +159,8 @@ def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, 
     launch(query[:whole], kv_rows, slots[:whole], counts[:whole], out[:whole],
            None if lse is None else lse[:whole], *args, 1)
     if whole < query.shape[0]:  # choose_plan keeps whole < rows; a caller's plan may not
-        launch(query[whole:], kv_rows, slots[whole:], counts[whole:], out[whole:],
-               None if lse is None else lse[whole:], *args, splits)
+        (split_launch or launch)(query[whole:], kv_rows, slots[whole:], counts[whole:], out[whole:],
+                                 None if lse is None else lse[whole:], *args, splits)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -766,13 +768,13 @@ class TritonDecode:
         # Elsewhere (nvfp4 at > 32 heads, unverified versions) this file's kernel.
         # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params at one or two CTAs an SM (same
         # tile shape; one workspace sized from all the plans), on the Triton versions reg_v was verified on (or when
-        # asked for with VLLM_KIMI_DSA_GLUON=1). fp8 > 32 heads from gluon_seesaw.SEESAW_MIN_ROWS rows: the seesaw
-        # kernel (same tiles and plans), where it was verified.
+        # asked for with VLLM_KIMI_DSA_GLUON=1). fp8 > 32 heads: the seesaw kernel (same tiles and plans), where it was
+        # verified, for the launches whose CTAs run enough tiles (gluon_seesaw.seesaw_takes).
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
         few = setup.heads <= 32
-        large, large_from, large_launch = (), setup.max_rows + 1, None
+        large, large_from, large_launch, seesaw_takes = (), setup.max_rows + 1, None, None
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
@@ -781,8 +783,8 @@ class TritonDecode:
 
                 params, verified, launch = gluon_decode.GluonParams(), gluon_decode.gluon_verified(), gluon_decode.launch
                 if want == "1" or gluon_seesaw.seesaw_verified():
-                    large, large_from = (gluon_seesaw.SeesawParams(),), gluon_seesaw.SEESAW_MIN_ROWS
-                    large_launch = gluon_seesaw.launch
+                    large, large_launch = (gluon_seesaw.SeesawParams(),), gluon_seesaw.launch
+                    seesaw_takes = gluon_seesaw.seesaw_takes
             else:
                 params = gluon_few_heads.FewHeadsParams() if self.fmt == "fp8" else gluon_few_heads.nvfp4_params()
                 verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
@@ -796,22 +798,30 @@ class TritonDecode:
                 self._gluon_launch = launch
         sms = num_sms(torch.device(setup.device))
         self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config, sms)
-        # the implementation each (rows, width) runs is bound here, once: the call path does not branch on it. From
-        # large_from rows, the large params (few heads: reg_v at one or two CTAs an SM; > 32 heads: the seesaw kernel)
-        # whose plan the model costs least.
-        # kernel_params says which (the Gluon params; None: this file's kernel).
-        small_launch = self._launch_tl if self.gluon is None else self._gluon_call(self.gluon)
-        self._launches = dict.fromkeys(self._plans, small_launch)
-        self.kernel_params: dict[tuple[int, int], Any] = dict.fromkeys(self._plans, self.gluon)
+        # the implementation each launch of each (rows, width) plan runs is bound here, once: the call path does not
+        # branch on it. plan_params[rows, width] says which: (the first launch's params, the split rows' launch's);
+        # None: this file's kernel. Few heads from large_from rows: the large params (reg_v at one or two CTAs an SM)
+        # whose plan the model costs least, for both launches. > 32 heads: each launch whose CTAs run whole rows of
+        # enough tiles on the seesaw kernel (gluon_seesaw.seesaw_takes), the others on the small params.
+        small = (self._launch_tl if self.gluon is None else self._gluon_call(self.gluon), self.gluon)
         large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
-        for rows, width in self._plans:
-            if rows >= large_from and self.gluon_large:
+        self._launches: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.plan_params: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for (rows, width), plan in self._plans.items():
+            first = tail = small
+            if few and rows >= large_from and self.gluon_large:
                 costs = [plan_cost(rows, setup.heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
-                self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
-                self._launches[rows, width] = large_launches[best]
-                self.kernel_params[rows, width] = self.gluon_large[best]
+                plan = self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
+                first = tail = (large_launches[best], self.gluon_large[best])
+            elif seesaw_takes is not None and self.gluon_large:
+                seesaw = (large_launches[0], self.gluon_large[0])
+                whole, splits = plan
+                first = seesaw if seesaw_takes(width, 1 if whole else splits) else small
+                tail = seesaw if seesaw_takes(width, splits) else small
+            self._launches[rows, width] = (first[0], tail[0])
+            self.plan_params[rows, width] = (first[1], tail[1])
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
                                         fmt=self.fmt, config=self.config, plans=self._plans)
 
@@ -838,7 +848,8 @@ class TritonDecode:
             )
         if rows == 0:
             return
-        run_plan(self._launches[key], self._plans[key], query, kv_rows, slots, counts, out, lse)
+        launch, split_launch = self._launches[key]
+        run_plan(launch, self._plans[key], query, kv_rows, slots, counts, out, lse, split_launch=split_launch)
 
     def _launch_tl(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
         _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
