@@ -60,17 +60,6 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
-    # qk_prefetch: the next own tile's Q.K issued before the other's P (one or two operands in flight beside it)
-    "seesaw-pf11-tail": {"qk_prefetch": True, "pv_in_flight": 1, "producer_regs": 56, "tail_split": True},
-    "seesaw-pf21-tail": {"qk_prefetch": True, "pv_in_flight": 2, "pv_in_flight_other": 1, "tail_split": True},
-    "seesaw-pf21-p40-tail": {"qk_prefetch": True, "pv_in_flight": 2, "pv_in_flight_other": 1, "producer_regs": 40,
-                             "consumer_regs": 232, "tail_split": True},
-    "seesaw-pf22-p56-tail": {"qk_prefetch": True, "pv_in_flight": 2, "producer_regs": 56, "consumer_regs": 224,
-                             "tail_split": True},
-    # early_softmax (PREPARED, not yet GPU-run): the next own Q.K and its softmax before the other's max
-    "seesaw-early-tail": {"early_softmax": True, "tail_split": True},
-    "seesaw-early-o1-tail": {"early_softmax": True, "pv_in_flight_other": 1, "tail_split": True},
-    "seesaw-early-p40-tail": {"early_softmax": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel when its

@@ -19,8 +19,8 @@ Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x
   operand (e4m3 -> fp16, exact; O^T's rows permuted so a thread loads 8 contiguous stage bytes a token), P_t^T from
   shared memory. The owner of tile t + 1 is the other consumer of tile t, so it learns m_t from x_s before its own
   softmax: the running max passes back and forth (the "seesaw"), one exchange a tile.
-- The non-owner of tile t issues the Q.K of its own tile t + 1 before it waits for P_t, so one consumer's Q.K runs
-  under the other's softmax. Every step retires its wgmmas before the next starts (no accumulator in flight
+- Each consumer goes through the tiles in order: the other's tile t - 1 (wait for m and P, P.V), then its own tile
+  t (Q.K, softmax, publish, P.V). Every step retires its wgmmas before the next starts (no accumulator in flight
   across a loop edge or branch).
 - Row sums: each consumer sums its own tiles' P (rescaled by every alpha), and the two shares are added at the end
   (l_s, l_ready). Epilogue: each consumer stores its 256 latent dims (bf16 out, or the fp32 split partial),
@@ -33,8 +33,8 @@ Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17): 345
 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit; slower where it runs a split row's few tiles (24.1
 vs 19.4 at 5 rows, 53.3 vs 49.1 at 32: 16 tiles), hence TritonDecode's per-launch choice
 (seesaw_takes). The tensor pipe is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax,
-the hand-off) runs through both consumers in series, and issuing the Q.K earlier (qk_prefetch) holds S's 32
-registers beside P.V's operands, which then spill or run one at a time.
+the hand-off) runs through both consumers in series. Two reorderings that take the Q.K off that chain were measured
+slower and removed (SeesawParams' note).
 
 The module imports on any machine (CPU, no Gluon) without error; gluon_decode.gluon_available() says whether this
 process can run it.
@@ -146,15 +146,6 @@ if gl is not None:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = _publish_and_pv(t, p, m_new, alpha, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
-                              HALF, K_STAGES, IN_FLIGHT)
-        return m_new, l_i, acc
-
-    @gluon.jit
-    def _publish_and_pv(t, p, m_new, alpha, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
-                        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
-        """The owner's end of tile t: P_t (as fp16) and m_t into shared memory for the other consumer (p_ready), then
-        O^T rescaled by alpha and this consumer's P.V of the tile, retired. Returns O^T."""
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
         mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
@@ -163,20 +154,13 @@ if gl is not None:
         fence_async_shared()
         mbarrier.arrive(p_ready.index(b))
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
     @gluon.jit
-    def _other_tile(t, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s, p_s, x_s, k_ready, k_empty, p_ready,
-                    p_empty,
-                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, PREFETCH: gl.constexpr):
-        # IN_FLIGHT: this P.V's (the prefetched S holds 32 registers beside it)
-        """Tile t, the other consumer's: (PREFETCH) issue the Q.K of this consumer's tile t + 1 first, then take m_t
-        and P_t from the owner, rescale and add this consumer's P.V of the tile; everything retired, the P buffer
-        handed back. Returns (S_(t+1) or zeros, m_t, l, O^T)."""
-        if PREFETCH:
-            s = _issue_qk(t + 1, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
-        else:
-            s = gl.zeros([_BH, _BN], gl.float32, _S_LAYOUT)
+    def _other_tile(t, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """Tile t, the other consumer's: take m_t and P_t from the owner, rescale and add this consumer's P.V of the
+        tile; retired, the P buffer handed back. Returns (m_t, l, O^T)."""
         # the stage's bytes (read here through registers) are visible after its k_ready phase
         mbarrier.wait(k_ready.index(t % K_STAGES), (t // K_STAGES) & 1)
         b = t % 2
@@ -185,39 +169,8 @@ if gl is not None:
         alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
         l_i = l_i * alpha
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
-        if PREFETCH:
-            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
         mbarrier.arrive(p_empty.index(b))
-        return s, m_new, l_i, acc
-
-    @gluon.jit
-    def _early_softmax(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, k_ready, qk_scale, K_STAGES: gl.constexpr):
-        """EARLY_SOFTMAX: S_t = Q K_t^T of this consumer's next tile and its softmax against the tile's own row max,
-        P' = exp2(S_t - m_loc) (fp16) and l' = sum P', before the running max m_(t-1) is known, i.e. off the chain
-        the consumers hand back and forth; _finish_tile scales P' by exp2(m_loc - m_t). Returns (P', m_loc, l')."""
-        s = warpgroup_mma_wait(num_outstanding=0,
-                               deps=(_issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
-        bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
-        s = s * qk_scale + gl.expand_dims(bias, 0)
-        m_loc = gl.max(s, axis=1)
-        p = gl.exp2(s - gl.expand_dims(gl.where(m_loc == float("-inf"), 0.0, m_loc), 1))
-        return p.to(gl.float16), m_loc, gl.sum(p, axis=1)
-
-    @gluon.jit
-    def _finish_tile(t, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s, k_empty, p_ready, p_empty,
-                     HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
-        """EARLY_SOFTMAX: tile t, this consumer's, once m_i = m_(t-1) is in: m_t = max(m_(t-1), m_loc), P_t = P'
-        exp2(m_loc - m_t) and m_t published, l and O^T rescaled, this consumer's P.V of the tile, retired. Returns
-        (m_t, l, O^T)."""
-        m_new = gl.maximum(m_i, m_loc)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        c = gl.exp2(m_loc - m_use)  # <= 1; 0 where the tile is all holes (m_loc = -inf, P' = 0)
-        l_i = l_i * alpha + l_loc * c
-        acc = _publish_and_pv(t, p_loc * gl.expand_dims(c.to(gl.float16), 1), m_new, alpha, acc, k_lat_s, p_s, x_s,
-                              k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, acc
 
     @gluon.jit
@@ -261,12 +214,10 @@ if gl is not None:
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, QK_PREFETCH: gl.constexpr,
-        OTHER_IN_FLIGHT: gl.constexpr, EARLY_SOFTMAX: gl.constexpr,
+        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr,
     ):
-        """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile), takes P.V of the others (_other_tile, which
-        issues the Q.K of the next own tile first). Consumer 0 starts with tile 0 (its Q.K not prefetched); each
-        ends with the last tile when it is the other's."""
+        """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile) and takes P.V of the others (_other_tile), in
+        tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's."""
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
@@ -276,49 +227,17 @@ if gl is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
                                           qk_scale, HALF, K_STAGES, IN_FLIGHT)
-            for pair in range(1, (num_tiles + 1) // 2 if EARLY_SOFTMAX else 1):
-                p_loc, m_loc, l_loc = _early_softmax(2 * pair, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, k_ready,
-                                                     qk_scale, K_STAGES)
-                _, m_i, l_i, acc = _other_tile(2 * pair - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, OTHER_IN_FLIGHT, False)
-                m_i, l_i, acc = _finish_tile(2 * pair, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s,
-                                             k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
-            for pair in range(1, 1 if EARLY_SOFTMAX else (num_tiles + 1) // 2):
-                s, m_i, l_i, acc = _other_tile(2 * pair - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
-                if not QK_PREFETCH:
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(2 * pair, q_lat_s, q_rope_s, k_lat_s,
-                                                                              k_rope_s, k_ready, K_STAGES),))
-                m_i, l_i, acc = _own_tile(2 * pair, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready,
-                                          p_empty, qk_scale, HALF, K_STAGES, IN_FLIGHT)
-            if (num_tiles > 0) & (num_tiles % 2 == 0):
-                _, m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, IN_FLIGHT, False)
-        else:
-            for pair in range(num_tiles // 2 if EARLY_SOFTMAX else 0):
-                p_loc, m_loc, l_loc = _early_softmax(2 * pair + 1, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s,
-                                                     k_ready, qk_scale, K_STAGES)
-                _, m_i, l_i, acc = _other_tile(2 * pair, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, OTHER_IN_FLIGHT, False)
-                m_i, l_i, acc = _finish_tile(2 * pair + 1, p_loc, m_loc, l_loc, m_i, l_i, acc, k_lat_s, p_s, x_s,
-                                             k_empty, p_ready, p_empty, HALF, K_STAGES, IN_FLIGHT)
-            for pair in range(0 if EARLY_SOFTMAX else num_tiles // 2):
-                s, m_i, l_i, acc = _other_tile(2 * pair, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, OTHER_IN_FLIGHT, QK_PREFETCH)
-                if not QK_PREFETCH:
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(2 * pair + 1, q_lat_s, q_rope_s, k_lat_s,
-                                                                              k_rope_s, k_ready, K_STAGES),))
-                m_i, l_i, acc = _own_tile(2 * pair + 1, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty,
-                                          p_ready, p_empty, qk_scale, HALF, K_STAGES, IN_FLIGHT)
-            if num_tiles % 2 == 1:
-                _, m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, q_lat_s, q_rope_s, k_lat_s, k_rope_s,
-                                               p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                               HALF, K_STAGES, IN_FLIGHT, False)
+        # the other's tile o - 1, then this consumer's tile o
+        for o in range(2 - HALF, num_tiles, 2):
+            m_i, l_i, acc = _other_tile(o - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
+                                        HALF, K_STAGES, IN_FLIGHT)
+            s = warpgroup_mma_wait(num_outstanding=0,
+                                   deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
+            m_i, l_i, acc = _own_tile(o, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
+                                      qk_scale, HALF, K_STAGES, IN_FLIGHT)
+        if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
+            m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
+                                        p_empty, HALF, K_STAGES, IN_FLIGHT)
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
                   num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF)
 
@@ -334,9 +253,6 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr,  # P.V k-steps (of 4) whose register operands are in flight at once
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
-        QK_PREFETCH: gl.constexpr = True,  # the non-owner of a tile issues the Q.K of its next tile first
-        OTHER_IN_FLIGHT: gl.constexpr = 1,  # PV_IN_FLIGHT for the other consumer's tiles
-        EARLY_SOFTMAX: gl.constexpr = False,  # a consumer's next Q.K and softmax before the other's max (PREPARED)
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
@@ -373,13 +289,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT, EARLY_SOFTMAX)),
+                             0, K_STAGES, PV_IN_FLIGHT)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                              k_ready, k_empty, p_ready, p_empty, l_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, K_STAGES, PV_IN_FLIGHT, QK_PREFETCH, OTHER_IN_FLIGHT, EARLY_SOFTMAX)),
+                             1, K_STAGES, PV_IN_FLIGHT)),
                 (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
@@ -402,23 +318,13 @@ class SeesawParams:
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
-    # the Q.K of a consumer's next tile issued before it waits for the other's P: overlaps Q.K with the other's
-    # softmax, but S's 32 registers held across P.V leave room for one P.V operand in flight (two spill at 224
-    # and serialize at 216): 375-381 vs 344-357 µs at 320 rows (H200, NOTES v16), so off by default
-    qk_prefetch: bool = False
-    # pv_in_flight for P.V of the other consumer's tiles (0: pv_in_flight), where a prefetched S is held beside it
-    pv_in_flight_other: int = 0
-    # a consumer's next tile's Q.K and its softmax against the tile's own max (P' in fp16, 16 registers) before it
-    # waits for the other's m, then P' scaled once m is in: the Q.K and the softmax off the chain the two hand back
-    # and forth, without holding S across P.V. PREPARED, NOT YET GPU-RUN (NOTES v16): no kernel choice uses it
-    early_softmax: bool = False
+    # Measured and removed (NOTES v16 / v17, H200, 320 rows): the non-owner issuing its next tile's Q.K before the
+    # other's P (S's 32 registers held across P.V: 367-476 µs), and the next Q.K and softmax before the other's max
+    # (P' rescaled after: 361-368 µs), against 344-345 for this order.
 
     def __post_init__(self) -> None:
-        if self.early_softmax and self.qk_prefetch:
-            raise ValueError("early_softmax and qk_prefetch are two orders of the same Q.K: set one")
-        if self.pv_in_flight not in (1, 2, 4) or self.pv_in_flight_other not in (0, 1, 2, 4):
-            raise ValueError(f"pv_in_flight must be 1, 2 or 4 (pv_in_flight_other also 0), got "
-                             f"{self.pv_in_flight}, {self.pv_in_flight_other}")
+        if self.pv_in_flight not in (1, 2, 4):
+            raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
         gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
@@ -433,8 +339,7 @@ class SeesawParams:
 def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
-                PRODUCER_REGS=params.producer_regs, QK_PREFETCH=params.qk_prefetch,
-                OTHER_IN_FLIGHT=params.pv_in_flight_other or params.pv_in_flight, EARLY_SOFTMAX=params.early_softmax)
+                PRODUCER_REGS=params.producer_regs)
 
 
 def seesaw_takes(width: int, splits: int) -> bool:
