@@ -160,8 +160,10 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device) -> Call
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
         kernel(q, kv, slots, counts, out, None, block_size=BLOCK, rows_per_block_stride=BLOCK)
 
-    # which implementation TritonDecode picked: a Gluon kernel's params class, or the plain `tl` kernel
-    call.impl = type(kernel.gluon).__name__ if kernel.gluon is not None else "tl"  # type: ignore[attr-defined]
+    # which implementation each launch of this batch's plan runs: a Gluon kernel's params class, or the plain `tl`
+    # kernel ("SeesawParams+GluonParams": whole rows on the seesaw kernel, the split rest on the 64-head kernel)
+    picked = dict.fromkeys("tl" if p is None else type(p).__name__ for p in kernel.plan_params[rows, K])
+    call.impl = "+".join(picked)  # type: ignore[attr-defined]
     return call
 
 
