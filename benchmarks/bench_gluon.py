@@ -6,7 +6,7 @@ Both run on the same data in one process, each call inside a CUDA graph that rot
 each kernel against the float32 reference on a 5-row case with holes and a count-0 row. Prints a table, writes
 $OUT/gluon_bench.json.
 
-    PYTHONPATH=. python3 benchmarks/bench_gluon.py --out DIR [--rows 5,20,80,320]
+    PYTHONPATH=. python3 benchmarks/bench_gluon.py --out DIR [--rows 5,20,80,320] [--width 2048]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import triton
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -36,7 +35,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
     gluon_unavailable_reason,
 )
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import SEESAW_MIN_TILES, SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode, seesaw_takes  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
@@ -62,9 +61,10 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
 }
 
-# both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel when its
-# CTAs run at least this many tiles (gluon_seesaw.seesaw_takes at SEESAW_MIN_TILES), on gluon_decode's otherwise
-MIXED_VARIANTS: dict[str, int] = {"mixed-tail": SEESAW_MIN_TILES, "mixed16-tail": 16}
+# both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
+# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise (results/h200-2026-12-04/mixed also has "mixed16-tail", the
+# seesaw kernel on 16-tile split launches too: slower, NOTES v17)
+MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail",)
 
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
@@ -89,12 +89,10 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     if name in MIXED_VARIANTS:
-        sp, gp, min_tiles = SeesawParams(), GluonParams(), MIXED_VARIANTS[name]
+        sp, gp = SeesawParams(), GluonParams()
 
         def mixed(*args):  # args[-1]: the launch's splits
-            if triton.cdiv(triton.cdiv(K, sp.config().block_n), args[-1]) >= min_tiles:
-                return seesaw_launch(*args, sp)
-            return gluon_launch(*args, gp)
+            return seesaw_launch(*args, sp) if seesaw_takes(K, args[-1]) else gluon_launch(*args, gp)
         return tail_split_call(mixed, sp.config(), q, kv, slots, counts, out, lse, ws)
     if name in SEESAW_VARIANTS:
         overrides, tail = kernel_params(SEESAW_VARIANTS[name])
@@ -146,14 +144,17 @@ def _config(name: str) -> td.Config:
 
 
 def main() -> None:
+    global K
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="5,20,80,160,320")
     p.add_argument("--splits", default="",
                    help="also probe a kernel (--probe) at given split counts, e.g. '80:1,2,3,4;5:8,11,16'")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
+    p.add_argument("--width", type=int, default=K, help="top-k slots a row (a multiple of 128; default 2048)")
     p.add_argument("--probe", default="gluon", help="the kernel names --splits probes (comma-separated)")
     a = p.parse_args()
+    K = a.width
     rows_list = [int(r) for r in a.rows.split(",")]
     names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
     if a.only:
@@ -228,7 +229,7 @@ def main() -> None:
                       f"(choose_splits picks {picked})", flush=True)
         results.setdefault(probe_name, {})["splits_probe"] = probe
     print()
-    print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + "   (µs, H=128, K=2048, fp8)")
+    print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + f"   (µs, H=128, K={K}, fp8)")
     for name, rec in results.items():
         if "times" not in rec:
             continue

@@ -66,7 +66,7 @@ if [ "$TESTS" = 1 ]; then
   python3 -c "import pytest_timeout" 2>/dev/null && TO="--timeout=120"
   if [ -z "$FILES" ]; then say "== tests: none of the GPU test files exist"; else
   # shellcheck disable=SC2086
-  run_step tests "$OUT/tests.log" ${TESTS_S:-330} python3 -m pytest $FILES -q -rs $TO --junitxml="$OUT/junit.xml"
+  run_step tests "$OUT/tests.log" ${TESTS_S:-400} python3 -m pytest $FILES -q -rs $TO --junitxml="$OUT/junit.xml"
   fi
 fi
 

@@ -180,14 +180,14 @@ def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
 
 def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs on a CPU too (the binding, not the kernels): TritonDecode at 128 heads, fp8, bound as on the H200's 132
-    SMs, runs each launch of a plan whose CTAs get >= SEESAW_MIN_TILES tiles on the seesaw kernel and every other
-    launch on gluon_decode's kernel; the plans are the 64-head kernel's either way."""
+    SMs, runs each unsplit launch of rows of >= SEESAW_MIN_TILES tiles on the seesaw kernel and every other launch
+    on gluon_decode's kernel; the plans are the 64-head kernel's either way."""
     from vllm_kimi_dsa.kernels import triton_decode
 
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
     monkeypatch.setattr(gluon_decode, "gluon_available", lambda device=None: True)
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)
-    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=128, row_counts=(320,), capacities=(), widths=(1024, 2048),
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=128, row_counts=(320,), capacities=(), widths=(512, 1024, 2048),
                         return_lse=True, softmax_scale=0.04, output_scale=1.0)
     k = TritonDecode(setup)
     assert isinstance(k.gluon, GluonParams) and k.gluon_large == (SeesawParams(),)
@@ -201,7 +201,9 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
     # 5 / 20 rows split 11 / 3 ways; 64 and 320 rows unsplit; 80 and 200 rows: whole rows, then a split tail
     assert kinds == {5: ("G", "G"), 20: ("G", "G"), 64: ("S", "S"), 80: ("S", "G"), 200: ("S", "G"),
                      320: ("S", "S")}, kinds
-    assert not any(isinstance(p, SeesawParams) for p in k.plan_params[64, 1024])  # 16 tiles a row: too few
+    assert k._plans[64, 1024] == (0, 1) and all(isinstance(p, SeesawParams) for p in k.plan_params[64, 1024])
+    assert not any(isinstance(p, SeesawParams) for pair in (k.plan_params[r, 512] for r in range(1, 321)) for p in pair)
+    assert not any(isinstance(p, SeesawParams) for pair in (k.plan_params[r, 2048] for r in range(1, 45)) for p in pair)
 
 
 def test_run_plan_runs_split_rows_on_split_launch() -> None:

@@ -31,7 +31,7 @@ Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x
 
 Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17): 345.4 vs gluon_decode's 377.7 µs at 320
 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit; slower where it runs a split row's few tiles (24.1
-vs 19.4 at 5 rows, 53.3 vs 49.1 at 32: 16 tiles), hence TritonDecode's per-launch choice
+vs 19.4 at 5 rows, 53.3 vs 49.1 at 32: 16 tiles a CTA, split), hence TritonDecode's per-launch choice
 (seesaw_takes). The tensor pipe is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax,
 the hand-off) runs through both consumers in series. Two reorderings that take the Q.K off that chain were measured
 slower and removed (SeesawParams' note).
@@ -56,12 +56,12 @@ BLOCK_N = 64  # tokens a tile
 # Triton versions on which this kernel passed its GPU tests on the H200; TritonDecode picks it only there (or when
 # asked for with VLLM_KIMI_DSA_GLUON=1)
 VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
-# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when each of the launch's CTAs runs at least this many
-# tiles (seesaw_takes), on gluon_decode's kernel otherwise: on the H200 (H = 128, K = 2048) it wins where a CTA runs a
-# whole 32-tile row unsplit (70.8 vs 79.0 µs at 64 rows, 345.4 vs 377.7 at 320) and loses on split rows, where a CTA
-# runs 3-16 tiles (24.1 vs 19.4 µs at 5 rows, 53.3 vs 49.1 at 32 with 16 tiles; both kernels in one plan at 16 tiles:
-# 53.6 vs 49.2 at 32 rows, 204.8 vs 195.2 at 160) (results/h200-2026-12-04/mixed)
-SEESAW_MIN_TILES = 32
+# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when the launch is unsplit and each CTA runs at least
+# this many tiles (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
+# seesaw-split, one run) it wins on unsplit rows (16 tiles, width 1024, 64 rows: 40.1 vs 46.7 µs; 32 tiles: 71.7 vs
+# 79.2) and loses on split ones, whatever their length (16 tiles, 32 rows x 2 splits: 53.6 vs 48.9; 8 tiles: 71.5 vs
+# 62.3): its split path costs ~11 µs more than the other kernel's (not yet understood: NOTES v17)
+SEESAW_MIN_TILES = 16
 
 gl = gd.gl
 if gl is not None:
@@ -343,9 +343,9 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
 
 
 def seesaw_takes(width: int, splits: int) -> bool:
-    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: when each
-    CTA gets at least SEESAW_MIN_TILES tiles."""
-    return triton.cdiv(triton.cdiv(width, BLOCK_N), splits) >= SEESAW_MIN_TILES
+    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: unsplit
+    rows of at least SEESAW_MIN_TILES tiles."""
+    return splits == 1 and triton.cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES
 
 
 def seesaw_verified() -> bool:
