@@ -4,6 +4,7 @@
 gluon_seesaw's 64-head kernel.
 
     python3 benchmarks/profile_gluon.py [--kernel gluon|few|seesaw] [--rows N] [--heads H] [--params k=v,...]
+        [--width K] [--splits S]
 
 --params: FewHeadsParams (few) or SeesawParams (seesaw) overrides (e.g. reg_v=1,k_stages=4).
 """
@@ -27,12 +28,14 @@ p = argparse.ArgumentParser()
 p.add_argument("--kernel", choices=("gluon", "few", "seesaw"), default="gluon")
 p.add_argument("--rows", type=int, default=None)
 p.add_argument("--heads", type=int, default=None)
+p.add_argument("--width", type=int, default=2048, help="top-k slots a row")
+p.add_argument("--splits", type=int, default=1, help="KV splits (> 1: fp32 partials and the combine)")
 p.add_argument("--params", default="", help="few-heads kernel: FewHeadsParams overrides, k=v,...")
 a = p.parse_args()
 few = a.kernel == "few"
 rows = a.rows or (264 if few else 80)
 heads = a.heads or (16 if few else 128)
-width = 2048
+width = a.width
 run = {"few": few_heads_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}.get(a.kernel, gluon_sparse_mla_decode)
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
@@ -46,6 +49,6 @@ if a.kernel in ("few", "seesaw") and a.params:
     params_cls = FewHeadsParams if few else SeesawParams
     extra["params"] = params_cls(**{k: int(v) for k, v in (kv_.split("=") for kv_ in a.params.split(","))})
 for _ in range(2):
-    run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=1, **extra)
+    run(q, kv, slots, counts, softmax_scale=0.01, output_scale=1.0, out=out, splits=a.splits, **extra)
 torch.cuda.synchronize()
-print("profiled", a.kernel, "rows", rows, "heads", heads, "K", width)
+print("profiled", a.kernel, "rows", rows, "heads", heads, "K", width, "splits", a.splits)
