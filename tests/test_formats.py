@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kimi_dsa import formats as F
 from vllm_kimi_dsa.formats import (
     FP8_ROW_BYTES,
     HEAD_DIM,
