@@ -769,7 +769,7 @@ class TritonDecode:
         # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params at one or two CTAs an SM (same
         # tile shape; one workspace sized from all the plans), on the Triton versions reg_v was verified on (or when
         # asked for with VLLM_KIMI_DSA_GLUON=1). fp8 > 32 heads: the seesaw kernel (same tiles and plans), where it was
-        # verified, for the launches whose CTAs run enough tiles (gluon_seesaw.seesaw_takes).
+        # verified, for the launches of unsplit rows of enough tiles (gluon_seesaw.seesaw_takes).
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
@@ -801,8 +801,8 @@ class TritonDecode:
         # the implementation each launch of each (rows, width) plan runs is bound here, once: the call path does not
         # branch on it. plan_params[rows, width] says which: (the first launch's params, the split rows' launch's);
         # None: this file's kernel. Few heads from large_from rows: the large params (reg_v at one or two CTAs an SM)
-        # whose plan the model costs least, for both launches. > 32 heads: each launch whose CTAs run whole rows of
-        # enough tiles on the seesaw kernel (gluon_seesaw.seesaw_takes), the others on the small params.
+        # whose plan the model costs least, for both launches. > 32 heads: each launch of unsplit rows of enough
+        # tiles on the seesaw kernel (gluon_seesaw.seesaw_takes), the split ones on the small params.
         small = (self._launch_tl if self.gluon is None else self._gluon_call(self.gluon), self.gluon)
         large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
