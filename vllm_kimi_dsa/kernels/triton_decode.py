@@ -806,18 +806,17 @@ class TritonDecode:
         small = (self._launch_tl if self.gluon is None else self._gluon_call(self.gluon), self.gluon)
         large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
+        seesaw = (large_launches[0], self.gluon_large[0]) if seesaw_takes is not None and self.gluon_large else None
         self._launches: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.plan_params: dict[tuple[int, int], tuple[Any, Any]] = {}
-        for (rows, width), plan in self._plans.items():
+        for (rows, width), (whole, splits) in self._plans.items():
             first = tail = small
             if few and rows >= large_from and self.gluon_large:
                 costs = [plan_cost(rows, setup.heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
-                plan = self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
+                self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
                 first = tail = (large_launches[best], self.gluon_large[best])
-            elif seesaw_takes is not None and self.gluon_large:
-                seesaw = (large_launches[0], self.gluon_large[0])
-                whole, splits = plan
+            elif seesaw is not None:
                 first = seesaw if seesaw_takes(width, 1 if whole else splits) else small
                 tail = seesaw if seesaw_takes(width, splits) else small
             self._launches[rows, width] = (first[0], tail[0])
