@@ -128,3 +128,45 @@ def test_ring_floor_probe_compiles() -> None:
     shared = {w[1]: int(w[3]) for w in (line.split() for line in r.stdout.splitlines()) if w[:1] == ["RESULT"]}
     assert len(shared) == 10, r.stdout
     assert all(0 < b <= 227 * 1024 for b in shared.values()), shared
+
+
+def _sectors_written_in_part(reg_bases, lane_bases, elem_bytes: int) -> bool:
+    """Whether every store instruction of a [dims, heads] linear layout (Triton's vectors: the leading register bases
+    along dims, at most 16 bytes) writes only whole 32-byte sectors of each head's row."""
+    vec = 0
+    while vec < len(reg_bases) and reg_bases[vec] == [1 << vec, 0] and (2 << vec) * elem_bytes <= 16:
+        vec += 1
+    rest = reg_bases[vec:]
+    for instr in range(1 << len(rest)):
+        written: dict[int, set[int]] = {}
+        for lane in range(1 << len(lane_bases)):
+            d = h = 0
+            for i, (bd, bh) in enumerate(rest):
+                if instr >> i & 1:
+                    d, h = d ^ bd, h ^ bh
+            for i, (bd, bh) in enumerate(lane_bases):
+                if lane >> i & 1:
+                    d, h = d ^ bd, h ^ bh
+            written.setdefault(h, set()).update(range(d * elem_bytes, (d + (1 << vec)) * elem_bytes))
+        for row in written.values():
+            if any(not set(range(s - s % 32, s - s % 32 + 32)) <= row for s in row):
+                return True
+    return False
+
+
+@_NEEDS_GLUON
+@pytest.mark.parametrize("dims,heads,thread_dims,elem_bytes", [(256, 64, 8, 4), (256, 64, 8, 2), (512, 16, 16, 4),
+                                                               (512, 16, 16, 2)])
+def test_latent_store_layout_writes_whole_sectors(dims: int, heads: int, thread_dims: int, elem_bytes: int) -> None:
+    """The seesaw and reg_v epilogues store O (bf16 out, fp32 split partials) from gluon_decode.latent_store_layout:
+    each instruction must write whole 32-byte sectors (the half-sector form cost the seesaw kernel's split launches
+    4-5 µs and the two-CTA few-heads kernel 2.5-3.7 µs at 5-8 rows, NOTES v18), and the layout must keep each warp's
+    dims (warp bases of the thread-native layout: shuffles, no shared memory). The thread-native layout itself (a
+    thread's thread_dims contiguous dims) must fail the check wherever it is wider than 16 bytes."""
+    new = gluon_decode.latent_store_layout(dims, heads, thread_dims, elem_bytes)
+    assert sorted(map(tuple, new.reg_bases + new.lane_bases + new.warp_bases)) == sorted(
+        [(1 << i, 0) for i in range(dims.bit_length() - 1)] + [(0, 1 << i) for i in range(heads.bit_length() - 1)])
+    assert new.warp_bases == [[8 * thread_dims, 0], [16 * thread_dims, 0]]
+    assert not _sectors_written_in_part(new.reg_bases, new.lane_bases, elem_bytes)
+    native = gluon_decode.latent_store_layout(dims, heads, thread_dims, 16 // thread_dims)  # vec = thread_dims
+    assert _sectors_written_in_part(native.reg_bases, native.lane_bases, elem_bytes) == (thread_dims * elem_bytes > 16)

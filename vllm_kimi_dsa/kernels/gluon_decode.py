@@ -266,6 +266,38 @@ if gl is not None:
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
+    @triton.constexpr_function
+    def latent_store_layout(dims, heads, thread_dims, elem_bytes):
+        """A [dims, heads] layout for storing O in latent order, reached from the thread-native
+        BlockedLayout([thread_dims, 2], [8, 4], [4, 1], [0, 1]) (a thread's thread_dims contiguous dims of 2 heads;
+        the reg_v / seesaw accumulators' order) by moving data between the lanes of a warp only (shuffles, no shared
+        memory): a lane holds 16 contiguous bytes of a head and 8 lanes 128 contiguous bytes, so every store
+        instruction writes whole 32-byte sectors. From the thread-native layout a 16-byte store covered half (or a
+        quarter) of each sector it touched, and the next instruction the rest: 2-4x the sector writes, paid at the
+        end of every split CTA (its fp32 partial; NOTES v18)."""
+        vec = 16 // elem_bytes
+        if heads < 8 or thread_dims % vec:
+            raise ValueError(f"latent_store_layout: heads {heads} < 8 or thread_dims {thread_dims} not a multiple "
+                             f"of {vec}")
+        reg = [[1 << i, 0] for i in range(vec.bit_length() - 1)] + [[0, 1]]
+        reg += [[8 * vec << i, 0] for i in range((thread_dims // vec).bit_length() - 1)]
+        reg += [[0, 8 << i] for i in range((heads // 8).bit_length() - 1)]
+        lane = [[vec << i, 0] for i in range(3)] + [[0, 2], [0, 4]]
+        warp = [[8 * thread_dims << i, 0] for i in range(2)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                          shape=[dims, heads])
+
+    @gluon.jit
+    def store_latent(o, base_ptr, head_stride, h0, H, layout: gl.constexpr):
+        """o [dims, heads] (fp32, latent order, normalized) into base_ptr + head * head_stride + dim (heads h0..,
+        masked to H) as base_ptr's dtype, stored from `layout` (latent_store_layout)."""
+        o = gl.convert_layout(o, layout)
+        offs_h = h0 + gl.arange(0, o.shape[1], gl.SliceLayout(0, layout))
+        offs_d = gl.arange(0, o.shape[0], gl.SliceLayout(1, layout))
+        ptrs = base_ptr + gl.expand_dims(offs_h.to(gl.int64) * head_stride, 0) + gl.expand_dims(offs_d, 1)
+        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < o.shape[0], 1)
+        gl.store(ptrs, o.to(base_ptr.dtype.element_ty), mask=mask)
+
     # Shared-memory wavefronts of 16-byte accesses are served 8 lanes at a time: those 8 lanes must hit 8
     # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, the layout before NOTES
     # v12) took two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the

@@ -210,7 +210,8 @@ if gd.gl is not None:
         lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
         warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[16, 512]))
 
-    # O^T in latent order for the REG_V epilogue: 16 contiguous dims (and 2 heads, twice) a thread
+    # O^T in latent order for the REG_V epilogue: a thread's own 16 contiguous dims (and 2 heads, twice), reached
+    # in the thread; stored from gd.latent_store_layout
     _O_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([16, 2], [8, 4], [4, 1], [0, 1]))
 
     @gluon.jit
@@ -290,15 +291,21 @@ if gd.gl is not None:
     def _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                        row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                        BH: gl.constexpr):
-        """_few_epilogue for REG_V's accumulators: O^T back to latent order, 16 contiguous dims a thread (vector
-        stores; the MMA order wrote 8x the sectors): row i = 64 m + 16 w + 8 h + r of acc0 / acc1 (half) is dim
-        128 w + 16 r + 8 half + 2 m + h."""
+        """The epilogue for REG_V's accumulators, as _few_epilogue: O^T back to latent order in the thread (row i = 64 m
+        + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h), then stored in whole
+        sectors (gd.latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x)."""
         l_i = gl.sum(l_acc, axis=0)
         o = gl.reshape(gl.join(acc0, acc1), [4, 4, 2, 8, BH, 2])
         o = gl.convert_layout(gl.reshape(gl.permute(o, (1, 3, 5, 0, 2, 4)), [512, BH]), _O_STORE_LAYOUT)
-        _few_epilogue(o, o, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH, False, True)
+        inv, lse2 = _normalizers(l_i, m_i)
+        o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
+        if num_splits == 1:
+            gd.store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row, stride_o_head, h0, H,
+                            gd.latent_store_layout(512, BH, 16, 2))
+        else:
+            gd.store_latent(o, part_out_ptr + ((row * num_splits + split) * H).to(gl.int64) * _D, _D, h0, H,
+                            gd.latent_store_layout(512, BH, 16, 4))
+        _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     @gluon.jit
     def _regv_consumer(
@@ -359,47 +366,51 @@ if gd.gl is not None:
         return p, m_new, l_acc, acc0 * alpha_o, acc1 * alpha_o
 
     @gluon.jit
+    def _normalizers(l_i, m_i):
+        """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums."""
+        has = l_i > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+
+    @gluon.jit
+    def _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH: gl.constexpr):
+        """The LSE (natural log) of an unsplit row, or a split's base-2 LSE beside its partial."""
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(0, _mma_layout(BH, 32)))
+        if num_splits == 1:
+            gl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * 0.6931471805599453, mask=offs_h < H)
+        else:
+            gl.store(part_lse_ptr + (row * num_splits + split) * H + offs_h, lse2, mask=offs_h < H)
+
+    @gluon.jit
     def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH: gl.constexpr, NVFP4: gl.constexpr, REG_V: gl.constexpr = False):
-        """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1;
-        REG_V: acc0 all 512 dims in _O_STORE_LAYOUT, acc1 unused) normalized into out and the LSE, or with several
-        splits the split's partial and base-2 LSE."""
-        if REG_V:
-            DH: gl.constexpr = 512
-            o_layout: gl.constexpr = _O_STORE_LAYOUT
-        else:
-            DH: gl.constexpr = 256
-            o_layout: gl.constexpr = _mma_layout(BH, 16)
-        head_s_layout: gl.constexpr = gl.SliceLayout(0, _mma_layout(BH, 32))
+                      BH: gl.constexpr, NVFP4: gl.constexpr):
+        """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1)
+        normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
+        o_layout: gl.constexpr = _mma_layout(BH, 16)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        has = l_i > 0.0
-        inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o_layout)
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        inv, lse2 = _normalizers(l_i, m_i)
+        inv = gl.convert_layout(inv, head_o_layout)
         offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
-        offs_d = gl.arange(0, DH, gl.SliceLayout(1, o_layout))
-        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < DH, 1)
-        offs_h_s = h0 + gl.arange(0, BH, head_s_layout)
+        offs_d = gl.arange(0, 256, gl.SliceLayout(1, o_layout))
+        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < 256, 1)
         if NVFP4:
             d0 = offs_d * 2
             d1_off: gl.constexpr = 1
         else:
             d0 = offs_d
-            d1_off: gl.constexpr = DH
+            d1_off: gl.constexpr = 256
         if num_splits == 1:
             o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
                       + gl.expand_dims(d0, 1))
             gl.store(o_ptrs, (acc0 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-            if not REG_V:
-                gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-            gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
+            gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
         else:
             base = (row * num_splits + split) * H
             p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
             gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
-            if not REG_V:
-                gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
-            gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
+            gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
+        _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # fp16 tiles with 256-element (or 64-token P) rows as wgmma operands: V16 halves, P, nvfp4's fp16 Q
@@ -773,10 +784,12 @@ def nvfp4_params() -> FewHeadsParams:
     return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True)
 
 
-# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): H200, tail-split plans, H = 16 / 12,
-# µs at 5 / 20 / 80 / 160 / 320 rows: default 11.1 / 18.7 / 49.1 / 77.2 / 140.2 and 10.8 / 18.3 / 48.2 / 76.6 /
-# 138.5; reg_v 12.1 / 19.1 / 48.0 / 74.0 / 131.6 and 11.6 / 18.0 / 46.5 / 72.9 / 130.5 (NOTES v14)
-REG_V_MIN_ROWS = 20
+# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): H200, tail-split plans, since the
+# whole-sector partial stores (NOTES v18, results/h200-2026-12-04/sector-stores), µs at 4 / 5 / 8 / 12 / 16 / 20 rows,
+# H = 16: default 10.1 / 11.1 / 11.8 / 14.1 / 16.3 / 18.7, reg_v 10.4 / 11.1 / 12.0 / 14.2 / 15.5 / 17.8; H = 12:
+# 9.9 / 10.8 / 11.7 / 13.7 / 16.1 / 18.4 against 10.0 / 10.8 / 11.7 / 13.7 / 15.1 / 17.3: level up to 12 rows, reg_v
+# ahead from 16 (it was 20 before, when reg_v's partial stores wrote half sectors: 12.1 vs 11.1 µs at 5 rows)
+REG_V_MIN_ROWS = 16
 # A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
 # 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
 # to the H200's tail-split times at K = 2048 (NOTES v15): µs a model tile 2.4-3.2 against 1.5-2.0 at H = 16 (12 row

@@ -29,12 +29,15 @@ Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x
   owner's Q.K has retired by then), p_ready[b] (1: the owner), p_empty[b] (1: the non-owner, after its P.V of the
   tile retired), l_ready (2).
 
-Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17): 345.4 vs gluon_decode's 377.7 µs at 320
-rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit; slower where it runs a split row's few tiles (24.1
-vs 19.4 at 5 rows, 53.3 vs 49.1 at 32: 16 tiles a CTA, split), hence TritonDecode's per-launch choice
-(seesaw_takes). The tensor pipe is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax,
-the hand-off) runs through both consumers in series. Two reorderings that take the Q.K off that chain were measured
-slower and removed (SeesawParams' note).
+Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17 / v18): 345.4 vs gluon_decode's 377.7
+µs at 320 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit. Split launches on their own are level
+with the other kernel since its partial stores write whole sectors (19.7 vs 19.5 µs at 5 rows, 48.4 vs 49.2 at 32;
+they cost 4-5 µs more before: ncu showed consumer WG1 waiting for its half-sector partial stores to drain before
+its setmaxnreg release), but a split tail launched after a whole-rows launch still loses (80 rows 119.6 vs 109.7,
+96 rows with 16-tile splits 134.7 vs 125.9), hence TritonDecode's per-launch choice (seesaw_takes). The tensor pipe
+is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax, the hand-off) runs through both
+consumers in series. Two reorderings that take the Q.K off that chain were measured slower and removed
+(SeesawParams' note).
 
 The module imports on any machine (CPU, no Gluon) without error; gluon_decode.gluon_available() says whether this
 process can run it.
@@ -58,9 +61,10 @@ BLOCK_N = 64  # tokens a tile
 VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 # TritonDecode (fp8, > 32 heads) runs a plan's launch on it when the launch is unsplit and each CTA runs at least
 # this many tiles (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
-# seesaw-split, one run) it wins on unsplit rows (16 tiles, width 1024, 64 rows: 40.1 vs 46.7 µs; 32 tiles: 71.7 vs
-# 79.2) and loses on split ones, whatever their length (16 tiles, 32 rows x 2 splits: 53.6 vs 48.9; 8 tiles: 71.5 vs
-# 62.3): its split path costs ~11 µs more than the other kernel's (not yet understood: NOTES v17)
+# seesaw-split and sector-stores, one run each) it wins on unsplit rows (16 tiles, width 1024, 64 rows: 40.1 vs 46.7
+# µs; 32 tiles: 71.7 vs 79.2); on split launches it is level alone (5 / 20 / 32 rows: 19.7 / 36.4 / 48.4 vs 19.5 /
+# 36.7 / 49.2) but loses as the tail after a whole-rows launch (16-tile splits at 96 / 160 rows: 134.7 / 206.3 vs
+# 125.9 / 196.5; not yet understood)
 SEESAW_MIN_TILES = 16
 
 gl = gd.gl
@@ -185,25 +189,21 @@ if gl is not None:
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         has = l_i > 0.0
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        head_o: gl.constexpr = gl.SliceLayout(0, _O_STORE_LAYOUT)
-        inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), head_o)
-        # row i = 64 m + 16 w + 8 h + r of O^T is dim 64 w + 8 r + 2 m + h of this half
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        # row i = 64 m + 16 w + 8 h + r of O^T is dim 64 w + 8 r + 2 m + h of this half: in-thread to latent order
         o = gl.reshape(gl.permute(gl.reshape(acc, [4, 4, 2, 8, _BH]), (1, 3, 0, 2, 4)), [256, _BH])
-        o = gl.convert_layout(o, _O_STORE_LAYOUT) * gl.expand_dims(inv, 0)
-        offs_h = hb * _BH + gl.arange(0, _BH, head_o)
-        offs_d = 256 * HALF + gl.arange(0, 256, gl.SliceLayout(1, _O_STORE_LAYOUT))
-        mask = gl.expand_dims(offs_d < 512, 1) & gl.expand_dims(offs_h < H, 0)
+        o = gl.convert_layout(o, _O_STORE_LAYOUT)
+        o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
         offs_h_s = hb * _BH + gl.arange(0, _BH, head_s)
         if num_splits == 1:
-            o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
-                      + gl.expand_dims(offs_d, 1))
-            gl.store(o_ptrs, (o * out_scale).to(gl.bfloat16), mask=mask)
+            gd.store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row + 256 * HALF, stride_o_head,
+                            hb * _BH, H, _O_STORE_LAYOUT)
             if HALF == 0:
                 gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
         else:
             base = (row * num_splits + split) * H
-            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * 512, 0) + gl.expand_dims(offs_d, 1)
-            gl.store(p_ptrs, o, mask=mask)
+            gd.store_latent(o, part_out_ptr + base.to(gl.int64) * 512 + 256 * HALF, 512, hb * _BH, H,
+                            gd.latent_store_layout(256, _BH, 8, 4))
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
