@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -35,7 +36,13 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
     gluon_unavailable_reason,
 )
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode, seesaw_takes  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import (  # noqa: E402
+    BLOCK_N,
+    SEESAW_MIN_TILES,
+    SeesawParams,
+    seesaw_sparse_mla_decode,
+    seesaw_takes,
+)
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
@@ -62,9 +69,9 @@ SEESAW_VARIANTS: dict[str, dict] = {
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
-# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise (results/h200-2026-12-04/mixed also has "mixed16-tail", the
-# seesaw kernel on 16-tile split launches too: slower, NOTES v17)
-MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail",)
+# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise; "mixed16-tail": the seesaw kernel on split launches of >= 16
+# tiles a CTA too (slower before the split partial's sector stores, NOTES v17 / v18)
+MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail", "mixed16-tail")
 
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
@@ -91,8 +98,13 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
     if name in MIXED_VARIANTS:
         sp, gp = SeesawParams(), GluonParams()
 
+        def takes(splits: int) -> bool:
+            if name == "mixed16-tail":
+                return triton.cdiv(triton.cdiv(K, BLOCK_N), splits) >= SEESAW_MIN_TILES
+            return seesaw_takes(K, splits)
+
         def mixed(*args):  # args[-1]: the launch's splits
-            return seesaw_launch(*args, sp) if seesaw_takes(K, args[-1]) else gluon_launch(*args, gp)
+            return seesaw_launch(*args, sp) if takes(args[-1]) else gluon_launch(*args, gp)
         return tail_split_call(mixed, sp.config(), q, kv, slots, counts, out, lse, ws)
     if name in SEESAW_VARIANTS:
         overrides, tail = kernel_params(SEESAW_VARIANTS[name])
