@@ -233,6 +233,14 @@ if gl is not None:
                       stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
 
     @gluon.jit
+    def normalizers(l_i, m_i):
+        """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums: every
+        Gluon epilogue's (as triton_decode._epilogue's)."""
+        has = l_i > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+
+    @gluon.jit
     def _store_result(
         acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, out_scale,
@@ -243,9 +251,7 @@ if gl is not None:
         DH: gl.constexpr = 256
         head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        has = l_i > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        inv, lse2 = normalizers(l_i, m_i)
         o = acc * gl.expand_dims(gl.convert_layout(inv, head_o_layout), 1)
         offs_h = hb * _BH + gl.arange(0, _BH, head_o_layout)
         mask_h = offs_h < H

@@ -297,7 +297,7 @@ if gd.gl is not None:
         l_i = gl.sum(l_acc, axis=0)
         o = gl.reshape(gl.join(acc0, acc1), [4, 4, 2, 8, BH, 2])
         o = gl.convert_layout(gl.reshape(gl.permute(o, (1, 3, 5, 0, 2, 4)), [512, BH]), _O_STORE_LAYOUT)
-        inv, lse2 = _normalizers(l_i, m_i)
+        inv, lse2 = gd.normalizers(l_i, m_i)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
         if num_splits == 1:
             gd.store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row, stride_o_head, h0, H,
@@ -366,13 +366,6 @@ if gd.gl is not None:
         return p, m_new, l_acc, acc0 * alpha_o, acc1 * alpha_o
 
     @gluon.jit
-    def _normalizers(l_i, m_i):
-        """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums."""
-        has = l_i > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-        return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-
-    @gluon.jit
     def _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH: gl.constexpr):
         """The LSE (natural log) of an unsplit row, or a split's base-2 LSE beside its partial."""
         offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(0, _mma_layout(BH, 32)))
@@ -389,7 +382,7 @@ if gd.gl is not None:
         normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        inv, lse2 = _normalizers(l_i, m_i)
+        inv, lse2 = gd.normalizers(l_i, m_i)
         inv = gl.convert_layout(inv, head_o_layout)
         offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
         offs_d = gl.arange(0, 256, gl.SliceLayout(1, o_layout))

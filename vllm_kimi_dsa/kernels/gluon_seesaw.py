@@ -187,6 +187,7 @@ if gl is not None:
         mbarrier.arrive(l_ready.index(0))
         mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
+        # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
         has = l_i > 0.0
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
