@@ -25,7 +25,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, kernel_params, tail_split_call, time_rotated  # noqa: E402
+from bench_gluon import (  # noqa: E402
+    CACHE_ROWS,
+    K,
+    OSCALE,
+    P32,
+    SSCALE,
+    kernel_params,
+    partials_workspace,
+    split_name,
+    tail_split_call,
+    time_rotated,
+)
 from bench_suite import ceilings  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
@@ -69,11 +80,12 @@ VARIANTS: dict[str, dict] = {"few": {}, "few-k3v3": {"k_stages": 3, "v_slots": 3
                              "few-stream-2cta": {**_TWO_CTA, "pv_early": True, "stream": True},
                              "few-stream-regv": {"reg_v": True, "k_stages": 3, "stream": True}}
 # "triton-tail*": td's default config through choose_plan's tail-split plan (whether the `tl` configs gain from it)
-NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4"]
+NAMES = ["triton", *VARIANTS, "triton-nvfp4", "triton-tail", "triton-tail-nvfp4",
+         *(n + P32 for n in ("few-tail", "few-tail-regv", "few-tail-regv-2cta-early", "few-tail-nvfp4"))]
 
 
 def _fmt(name: str) -> str:
-    return "nvfp4_ds_mla" if name.endswith("-nvfp4") else "fp8"
+    return "nvfp4_ds_mla" if split_name(name)[0].endswith("-nvfp4") else "fp8"
 
 
 def _config(name: str, heads: int) -> td.Config:
@@ -83,10 +95,11 @@ def _config(name: str, heads: int) -> td.Config:
 
 
 def _params(name: str) -> FewHeadsParams:
-    return FewHeadsParams(**kernel_params(VARIANTS[name])[0])
+    return FewHeadsParams(**kernel_params(VARIANTS[split_name(name)[0]])[0])
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
+    name = split_name(name)[0]  # the partial dtype comes with ws
     if name.startswith("triton"):
         fmt, cfg = _fmt(name), _config(name, q.shape[1])
         if name.startswith("triton-tail"):
@@ -110,7 +123,7 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
 
 def _time(name: str, heads: int, rows: int, splits: int, kv, dev, g) -> float:
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, heads, splits, row_bytes(_fmt(name)), dev, g)[0]
+                        rows, heads, splits, row_bytes(_fmt(name)), dev, g, split_name(name)[1])[0]
 
 
 def main() -> None:
@@ -157,7 +170,8 @@ def main() -> None:
                 for splits in (1, 3):
                     out = torch.full((5, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
                     lse = torch.full((5, heads), float("nan"), device=dev)
-                    h = _runner(name, q5, kv, s5, c5, out, lse, None, splits)()
+                    ws5 = partials_workspace(name, _config(name, heads), 5, heads, splits, dev)
+                    h = _runner(name, q5, kv, s5, c5, out, lse, ws5, splits)()
                     torch.cuda.synchronize()
                     fin = torch.isfinite(ref_lse)
                     rel = float((out.float() - ref).norm() / ref.norm())

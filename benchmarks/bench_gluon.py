@@ -74,6 +74,26 @@ SEESAW_VARIANTS: dict[str, dict] = {
 MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail", "mixed16-tail")
 
 
+# a variant name's suffix: the same kernel and plan with fp32 split partials (make_workspace(partial_dtype=)), the
+# default before NOTES v19 (every other variant runs with td.PARTIAL_DTYPE's); P32_OF: the variants that have one
+P32 = "-p32"
+P32_OF: tuple[str, ...] = ("gluon-tail", "seesaw-tail", "mixed-tail")
+
+
+def split_name(name: str) -> tuple[str, torch.dtype]:
+    """(the variant without P32, the split partials' dtype it runs with)."""
+    return (name[: -len(P32)], torch.float32) if name.endswith(P32) else (name, td.PARTIAL_DTYPE)
+
+
+def partials_workspace(name: str, cfg: td.Config, rows: int, heads: int, splits: int, dev) -> td.Workspace | None:
+    """A one-off call's workspace in the variant's partial dtype (None for the default: the call makes its own)."""
+    dtype = split_name(name)[1]
+    if dtype == td.PARTIAL_DTYPE:
+        return None
+    return td.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), config=cfg, partial_dtype=dtype,
+                             min_entries=rows * max(splits, 32) * heads)
+
+
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
     """(the kernel-parameter overrides, whether the variant runs the tail-split plan)."""
     return {k: v for k, v in overrides.items() if k != "tail_split"}, bool(overrides.get("tail_split"))
@@ -86,11 +106,13 @@ def tail_split_call(launch, cfg: td.Config, q, kv, slots, counts, out, lse, ws):
     rows, heads, width = q.shape[0], q.shape[1], slots.shape[1]
     plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(q.device))
     if ws is None or (plan[1] > 1 and (rows - plan[0]) * plan[1] * heads > ws.capacity):
-        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg)
+        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg,
+                               partial_dtype=td.PARTIAL_DTYPE if ws is None else ws.part_out.dtype)
     return lambda: td.run_plan(launch, plan, q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws)
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
+    name = split_name(name)[0]  # the partial dtype comes with ws
     if name == "triton":
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
@@ -121,11 +143,12 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
-def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g):
+def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g,
+                 partial_dtype: torch.dtype | None = None):
     """µs per call of make_call(q, slots, counts, out, lse, ws)() at `rows` rows of `heads` heads, K = 2048 slots
     into a CACHE_ROWS cache of `row_nbytes`-byte rows, in a CUDA graph over input sets past 2x the L2, with split
-    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks). Also bench_few_heads'.
-    Returns (µs, workspace, outs, lses, sets)."""
+    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks) in partial_dtype (None:
+    td.PARTIAL_DTYPE). Also bench_few_heads'. Returns (µs, workspace, outs, lses, sets)."""
     sets = rotation_sets(rows * K * row_nbytes, lo=1, hi=24)
     qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
     ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
@@ -133,7 +156,8 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
     need = rows * splits * heads
-    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, device=dev), part_lse=torch.empty(need, device=dev),
+    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=partial_dtype or td.PARTIAL_DTYPE, device=dev),
+                      part_lse=torch.empty(need, device=dev),
                       dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
     us = cuda_graph_time_us([make_call(qs[i], ss[i], cs, outs[i], lses[i], ws) for i in range(sets)])
     return us, ws, outs, lses, sets
@@ -142,10 +166,11 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
 def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
     """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, HEADS, splits, row_bytes("fp8"), dev, g)
+                        rows, HEADS, splits, row_bytes("fp8"), dev, g, split_name(name)[1])
 
 
 def _config(name: str) -> td.Config:
+    name = split_name(name)[0]
     if name == "triton":
         return td.default_config(HEADS, "fp8")
     if name in MIXED_VARIANTS:
@@ -168,7 +193,7 @@ def main() -> None:
     a = p.parse_args()
     K = a.width
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
+    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS, *(n + P32 for n in P32_OF)]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -193,7 +218,8 @@ def main() -> None:
             lse = torch.full((5, HEADS), float("nan"), device=dev)
             t0 = time.time()
             try:
-                h = _runner(name, q5, kv, s5, c5, out, lse, None, splits)()
+                h = _runner(name, q5, kv, s5, c5, out, lse, partials_workspace(name, _config(name), 5, HEADS, splits,
+                                                                               dev), splits)()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
                 rec["error"] = f"{type(e).__name__}: {e}"

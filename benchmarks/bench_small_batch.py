@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a small batch's time goes (H = 128, FP8 cache, K = 2048, the 64-head Gluon kernel at choose_splits' split
-count): the whole call, the main kernel alone and the combine alone (at several warp counts), each timed in a CUDA
-graph over inputs rotated past the L2 (bench_gluon.time_rotated). Prints a table and writes small_batch.json.
+count): the whole call, the main kernel alone, the combine alone (as shipped, and at the --warps counts), each
+timed in a CUDA graph over inputs rotated past the L2 (bench_gluon.time_rotated). --p32: fp32 split partials.
+Prints a line a row count and writes small_batch.json.
 
     python3 benchmarks/bench_small_batch.py --out DIR [--rows 1,5,8,20,32]
 """
@@ -31,8 +32,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="1,5,8,20,32")
-    p.add_argument("--warps", default="1,2,4,8", help="the combine's num_warps to time")
-    p.add_argument("--p16", action="store_true", help="fp16 split partials (the fp16-partials patch's tree only)")
+    p.add_argument("--warps", default="2,4", help="the combine's num_warps to time too (empty: none)")
+    p.add_argument("--p32", action="store_true", help="fp32 split partials (the default: td.PARTIAL_DTYPE)")
     a = p.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -42,7 +43,7 @@ def main() -> None:
     sms = td.num_sms(dev)
     consts = gd.kernel_constexprs(params)
     blocks = triton.cdiv(HEADS, gd.BLOCK_H)
-    kw = {"partial_dtype": torch.float16} if a.p16 else {}
+    kw = {"partial_dtype": torch.float32} if a.p32 else {}
     results = []
     for rows in (int(r) for r in a.rows.split(",")):
         splits = td.choose_splits(rows, HEADS, K, cfg, sms)
@@ -61,14 +62,19 @@ def main() -> None:
                     SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM, num_warps=nw)
             return make
 
+        def combine_now(q, s, c, o, lse, ws):
+            return lambda: td.combine(ws, o, lse, splits, OSCALE)
+
         rec = {"rows": rows, "splits": splits,
                "partial_MB": rows * splits * HEADS * LATENT_DIM * 4 / 1e6 if splits > 1 else 0.0,
                "kv_MB": rows * K * row_bytes("fp8") / 1e6}
         rec["full_us"] = time_rotated(full, rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]
         rec["main_us"] = time_rotated(main_only, rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]
         if splits > 1:
-            for nw in (int(w) for w in a.warps.split(",")):
-                rec[f"combine_w{nw}_us"] = time_rotated(combine(nw), rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]
+            rec["combine_us"] = time_rotated(combine_now, rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]
+            for nw in (int(w) for w in filter(None, a.warps.split(","))):
+                rec[f"combine_w{nw}_us"] = time_rotated(combine(nw), rows, HEADS, splits, row_bytes("fp8"), dev, g,
+                                                           **kw)[0]
         results.append(rec)
         print(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()), flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -170,3 +170,62 @@ def test_latent_store_layout_writes_whole_sectors(dims: int, heads: int, thread_
     assert not _sectors_written_in_part(new.reg_bases, new.lane_bases, elem_bytes)
     native = gluon_decode.latent_store_layout(dims, heads, thread_dims, 16 // thread_dims)  # vec = thread_dims
     assert _sectors_written_in_part(native.reg_bases, native.lane_bases, elem_bytes) == (thread_dims * elem_bytes > 16)
+
+
+@_NEEDS_GLUON
+@pytest.mark.parametrize("dims_on_m", [False, True])
+def test_wgmma_store_layout_writes_whole_sectors(dims_on_m: bool) -> None:
+    """fp16 split partials from a wgmma accumulator (the 64-head kernel's O, the few-heads kernel's O^T) go through
+    gluon_decode.wgmma_store_layout: whole 32-byte sectors an instruction, each warp keeping the accumulator's rows;
+    the accumulator's own layout (2 or 1 fp16 a lane along the dims) fails the check."""
+    new = gluon_decode.wgmma_store_layout(dims_on_m)
+    dims, heads = new.shape
+    if dims_on_m:  # [256 dims (M), 16 heads (N)]: instr m16, 4 warps, 4 repetitions of 64 rows
+        acc_reg, acc_lane, warp = ([[0, 1], [8, 0], [0, 8], [64, 0], [128, 0]],
+                                   [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]])
+    else:  # [64 heads (M), 256 dims (N)] seen as [dims, heads]
+        acc_reg, acc_lane, warp = ([[1, 0], [0, 8], [8, 0], [16, 0], [32, 0], [64, 0], [128, 0]],
+                                   [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 16], [0, 32]])
+    assert new.warp_bases == warp
+    assert sorted(map(tuple, new.reg_bases + new.lane_bases)) == sorted(map(tuple, acc_reg + acc_lane))
+    assert not _sectors_written_in_part(new.reg_bases, new.lane_bases, 2)
+    assert _sectors_written_in_part(acc_reg, acc_lane, 2)
+
+
+_COMBINE_COMPILE = """
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_kimi_dsa.kernels import triton_decode as td
+fn = td._combine_kernel
+out = {}
+for dtype in (torch.float16, torch.float32):
+    ws = td.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
+                      capacity=1, max_rows=1, heads=1)
+    name = "fp16" if dtype == torch.float16 else "fp32"
+    sig = dict(part_out_ptr="*" + name, part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", H="i32",
+               num_splits="i32", stride_o_row="i32", stride_o_head="i32", stride_lse_row="i32", out_scale="fp32",
+               SPLITS="constexpr", D="constexpr")
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in ("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr", "stride_o_row", "stride_o_head")}
+    for splits in (2, 8, 32):
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"SPLITS": splits, "D": 512}, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": td.combine_warps(ws)})
+        out[f"{name}-{splits}"] = {"shared": k.metadata.shared, "ld_v4": k.asm["ptx"].count("ld.global.v4")}
+print(json.dumps(out))
+"""
+
+
+def test_combine_keeps_the_split_sum_in_each_thread() -> None:
+    """The combine at triton_decode.combine_warps: for fp16 and fp32 partials and 2 / 8 / 32 splits, no shared memory
+    (each thread holds the same dims of every split, so the sum down the splits never leaves it; with 4 warps on
+    fp16 partials Triton spread the splits over 2 warps: 2-4x the time, NOTES v19) and 16-byte partial loads."""
+    r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=_compile_env(),
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res) == {f"{d}-{s}" for d in ("fp16", "fp32") for s in (2, 8, 32)}
+    for key, v in res.items():
+        assert v["shared"] == 0, f"{key}: the combine went through shared memory ({v})"
+        assert v["ld_v4"] >= int(key.split("-")[1]), f"{key}: partial loads narrower than 16 bytes ({v})"

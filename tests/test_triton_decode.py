@@ -43,6 +43,10 @@ BF16_REL = 2.0**-8 if GPU else 2.0**-7
 OUT_REL = BF16_REL + 2.0**-12  # of |ref|: the bf16 rounding, plus slack for fp32 summation order
 P_ERR = 2.0**-10  # of max_j |v_j| * output_scale (the fp16 P bound doubled for the split combine)
 NORM_REL = BF16_REL + 2.0**-10  # ||out - ref|| / ||ref|| per (row, head): worst-case rounding + P
+# The split partials' rounding, of max_j |v_j| * output_scale: each partial is a convex mix of the v_j (and so is the
+# combine's sum of them), stored in triton_decode.PARTIAL_DTYPE (fp16: 2^-11 relative; fp32: nothing at this scale)
+PARTIAL_ERR = {torch.float16: 2.0**-11, torch.float32: 0.0}
+SHIPPED_PARTIAL_ERR = PARTIAL_ERR[triton_decode.PARTIAL_DTYPE]
 LSE_ATOL = 2e-4  # mma.sync / interpreter paths (H <= 32): fp32 accumulation, ~1e-5 seen
 # fp8 Q.K on Hopper's wgmma (64-head tiles, the transposed kernel) sums with ~14 bits: the bound is
 # conftest.wgmma_logit_bound, per row, applied to the LSE and (times 2 max|v|) to the output.
@@ -85,9 +89,11 @@ def _fp8_wgmma(heads, fmt, config=None):
     return fp8_wgmma(config or default_config(heads, fmt), fmt)
 
 
-def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None):
+def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None,
+           partial_err=SHIPPED_PARTIAL_ERR):
     """wgmma: the head dims whose logits come from fp8 wgmma without promotion (a slice, e.g. conftest.ROPE_DIMS for
-    the Gluon nvfp4 kernel), True for all, False for none; None: from the config."""
+    the Gluon nvfp4 kernel), True for all, False for none; None: from the config. partial_err: the split partials'
+    rounding (PARTIAL_ERR of the workspace's dtype; by default the shipped one's)."""
     if wgmma is None:
         wgmma = _fp8_wgmma(q.shape[1], fmt, config)  # nvfp4 runs every dot in fp16 (exact sums)
     dims = ALL_DIMS if wgmma is True else wgmma
@@ -114,7 +120,7 @@ def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, con
         ids = slots[i][valid[i]].long()
         if ids.numel():
             vmax[i] = dequantize_rows(kv[ids], fmt)[:, :LATENT_DIM].abs().max()
-    bound = OUT_REL * ref_out.abs() + (P_ERR + 2 * logit_err) * (vmax * output_scale).view(-1, 1, 1)
+    bound = OUT_REL * ref_out.abs() + (P_ERR + partial_err + 2 * logit_err) * (vmax * output_scale).view(-1, 1, 1)
     err = (o - ref_out).abs()
     worst = (err - bound).max().item()
     assert worst <= 0, f"|out - ref| exceeds the bound by {worst}"
@@ -123,7 +129,7 @@ def _check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, con
     den = ref_out[nz].norm(dim=-1).clamp_min(1e-30)
     # the norm check only where the logits are exact to fp32 (the wgmma error is bounded above)
     if not dims:
-        assert (num / den).max().item() <= NORM_REL
+        assert (num / den).max().item() <= NORM_REL + 2 * partial_err
 
 
 def _run_functional(rows, heads, width, fmt, seed, *, with_lse=True, config=None, splits=None):
@@ -158,6 +164,27 @@ def test_tiny_splits_and_128_heads(fmt):
     # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.
     _run_functional(2, 128, 256, fmt, seed=7, splits=3)
     _run_functional(3, 16, 256, fmt, seed=8, splits=1, with_lse=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [128, 16])
+def test_partial_dtypes(heads, dtype):
+    """Split partials in either dtype make_workspace takes (fp16 is PARTIAL_DTYPE, fp32 the one before NOTES v19):
+    every split writes its partial in that dtype and the combine reads it back, within that dtype's rounding. The
+    scratch is poisoned with NaN first, so an entry the kernel did not write fails the test."""
+    q, kv, slots, counts, ss, os_ = _case(3, heads, 256, "fp8", seed=31 + heads)
+    ws = make_workspace(DEVICE, heads=heads, max_rows=3, widths=(256,), fmt="fp8", partial_dtype=dtype,
+                        min_entries=3 * 3 * heads)
+    assert ws.part_out.dtype == dtype
+    assert make_workspace(DEVICE, heads=heads, max_rows=3).part_out.dtype == triton_decode.PARTIAL_DTYPE
+    ws.part_out.fill_(float("nan"))
+    out = torch.full((3, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((3, heads), float("nan"), device=DEVICE)
+    sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                      workspace=ws, splits=3)
+    _check(out, lse, q, kv, slots, counts, "fp8", ss, os_, partial_err=PARTIAL_ERR[dtype])
+    with pytest.raises(ValueError, match="partial_dtype"):
+        make_workspace(DEVICE, heads=heads, max_rows=3, partial_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -267,8 +267,13 @@ if gl is not None:
                 gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=mask_h_s)
         else:
             base = (row * num_splits + split) * H
-            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 1) + gl.expand_dims(offs_d, 0)
-            gl.store(p_ptrs, o, mask=mask_o)
+            if part_out_ptr.dtype.element_ty == gl.float16:  # 4 bytes a lane from here: half sectors
+                store_latent(gl.permute(o, (1, 0)), part_out_ptr + base.to(gl.int64) * _D + HALF * DH, _D, hb * _BH,
+                             H, wgmma_store_layout(False))
+            else:
+                p_ptrs = (part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 1)
+                          + gl.expand_dims(offs_d, 0))
+                gl.store(p_ptrs, o, mask=mask_o)
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
@@ -292,6 +297,25 @@ if gl is not None:
         warp = [[8 * thread_dims << i, 0] for i in range(2)]
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
                                           shape=[dims, heads])
+
+    @triton.constexpr_function
+    def wgmma_store_layout(dims_on_m):
+        """latent_store_layout's counterpart for fp16 stores straight from a wgmma accumulator (warps [4, 1], m16),
+        seen as [dims, heads]: the 64-head kernel's O (64 heads on M, 256 dims on N; transposed) or the few-heads
+        kernel's O^T (dims_on_m: 256 dims on M, 16 heads on N). In the accumulator a lane holds 2 adjacent dims
+        (heads on M) or 1 (dims on M): 4 or 2 bytes a lane, half sectors at best. Here each lane holds 8 contiguous
+        dims (16 bytes) and 4 (2) lanes a head's 64 (32) contiguous bytes; the warps keep their rows, so the
+        conversion is warp shuffles."""
+        if dims_on_m:  # source: reg [0,1] [8,0] [0,8] [64,0] [128,0], lanes [0,2] [0,4] [1,0] [2,0] [4,0]
+            return gl.DistributedLinearLayout(
+                reg_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [128, 0]],
+                lane_bases=[[8, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
+                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[256, 16])
+        # source: reg [1,0] [0,8] [8,0] [16,0] [32,0] [64,0] [128,0], lanes [2,0] [4,0] [0,1] [0,2] [0,4]
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [4, 0], [0, 8], [32, 0], [64, 0], [128, 0]],
+            lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[256, 64])
 
     @gluon.jit
     def store_latent(o, base_ptr, head_stride, h0, H, layout: gl.constexpr):

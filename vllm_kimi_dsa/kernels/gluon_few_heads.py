@@ -304,7 +304,7 @@ if gd.gl is not None:
                             gd.latent_store_layout(512, BH, 16, 2))
         else:
             gd.store_latent(o, part_out_ptr + ((row * num_splits + split) * H).to(gl.int64) * _D, _D, h0, H,
-                            gd.latent_store_layout(512, BH, 16, 4))
+                            gd.latent_store_layout(512, BH, 16, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
         _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     @gluon.jit
@@ -400,9 +400,15 @@ if gd.gl is not None:
             gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
         else:
             base = (row * num_splits + split) * H
-            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
-            gl.store(p_ptrs, acc0 * gl.expand_dims(inv, 0), mask=mask)
-            gl.store(p_ptrs + d1_off, acc1 * gl.expand_dims(inv, 0), mask=mask)
+            if (part_out_ptr.dtype.element_ty == gl.float16) and not NVFP4:  # 2 bytes a lane from O^T's layout
+                p_base = part_out_ptr + base.to(gl.int64) * _D
+                gd.store_latent(acc0 * gl.expand_dims(inv, 0), p_base, _D, h0, H, gd.wgmma_store_layout(True))
+                gd.store_latent(acc1 * gl.expand_dims(inv, 0), p_base + 256, _D, h0, H, gd.wgmma_store_layout(True))
+            else:
+                p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
+                gl.store(p_ptrs, (acc0 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
+                gl.store(p_ptrs + d1_off, (acc1 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty),
+                         mask=mask)
         _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -777,12 +783,12 @@ def nvfp4_params() -> FewHeadsParams:
     return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True)
 
 
-# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): H200, tail-split plans, since the
-# whole-sector partial stores (NOTES v18, results/h200-2026-12-04/sector-stores), µs at 4 / 5 / 8 / 12 / 16 / 20 rows,
-# H = 16: default 10.1 / 11.1 / 11.8 / 14.1 / 16.3 / 18.7, reg_v 10.4 / 11.1 / 12.0 / 14.2 / 15.5 / 17.8; H = 12:
-# 9.9 / 10.8 / 11.7 / 13.7 / 16.1 / 18.4 against 10.0 / 10.8 / 11.7 / 13.7 / 15.1 / 17.3: level up to 12 rows, reg_v
-# ahead from 16 (it was 20 before, when reg_v's partial stores wrote half sectors: 12.1 vs 11.1 µs at 5 rows)
-REG_V_MIN_ROWS = 16
+# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): every batch since the fp16 split
+# partials (triton_decode.PARTIAL_DTYPE). H200, H = 16, tail-split plans, fp16 partials, µs at 1 / 5 / 8 / 20 rows:
+# default kernel 8.6 / 11.6 / 12.4 / 19.0, reg_v 8.4 / 11.3 / 12.1 / 17.7, reg_v at two CTAs an SM 8.3 / 11.0 / 12.1 /
+# 17.3 (the default with fp32 partials: 8.5 / 11.1 / 11.9 / 18.6; results/h200-2026-12-04/small-batch, NOTES v19). With
+# fp32 partials reg_v was level up to 12 rows and ahead from 16 (NOTES v18), so this was 16.
+REG_V_MIN_ROWS = 1
 # A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
 # 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
 # to the H200's tail-split times at K = 2048 (NOTES v15): µs a model tile 2.4-3.2 against 1.5-2.0 at H = 16 (12 row

@@ -204,7 +204,7 @@ if gl is not None:
         else:
             base = (row * num_splits + split) * H
             gd.store_latent(o, part_out_ptr + base.to(gl.int64) * 512 + 256 * HALF, 512, hb * _BH, H,
-                            gd.latent_store_layout(256, _BH, 8, 4))
+                            gd.latent_store_layout(256, _BH, 8, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 

@@ -186,7 +186,7 @@ def _epilogue(
     else:
         base = (row * num_splits + split) * H
         p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :]
-        tl.store(p_ptrs, o, mask=mask_h[:, None])
+        tl.store(p_ptrs, o.to(part_out_ptr.dtype.element_ty), mask=mask_h[:, None])
         tl.store(part_lse_ptr + base + offs_h, lse2, mask=mask_h)
 
 
@@ -559,7 +559,8 @@ def _merge_partials(part_out_ptr, part_lse_ptr, idx, mask_s, out_ptr, lse_ptr, r
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse2 - m_use)  # an empty split (lse -inf) weighs 0
     total = tl.sum(w, 0)
-    o = tl.load(part_out_ptr + idx.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.load(part_out_ptr + idx.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mask_s[:, None],
+                other=0.0).to(tl.float32)
     has = total > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
     res = tl.sum(o * w[:, None], 0) * (inv * out_scale)
@@ -571,9 +572,18 @@ def _merge_partials(part_out_ptr, part_lse_ptr, idx, mask_s, out_ptr, lse_ptr, r
 # ----------------------------------------------------------------------------- workspace
 
 
+# The split partials' dtype make_workspace gives by default (TritonDecode's, and the one-off calls'). fp16 halves
+# what the splits write and the combine reads: H200, H = 128, µs at 1 / 5 / 8 / 20 / 32 rows, fp32 13.0 / 19.4 / 23.2 /
+# 36.7 / 49.4, fp16 12.1 / 17.6 / 20.2 / 34.5 / 46.0 (results/h200-2026-12-04/small-batch, NOTES v19); H = 16 two-CTA
+# reg_v 11.6 / 13.1 / 37.2 / 70.1 -> 11.0 / 12.1 / 35.5 / 66.0 at 5 / 8 / 80 / 160 rows. Its rounding, 2^-11 of the
+# largest |v| (a partial is a convex mix of the v), is below the bf16 output's 2^-8.
+PARTIAL_DTYPE = torch.float16
+
+
 @dataclass
 class Workspace:
-    """Split-KV scratch: part_out (capacity*512,) fp32, part_lse (capacity,) fp32, a dummy lse (rows*H,)."""
+    """Split-KV scratch: part_out (capacity*512,) fp32 or fp16 (make_workspace's partial_dtype), part_lse
+    (capacity,) fp32, a dummy lse (rows*H,)."""
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
@@ -593,10 +603,17 @@ def make_workspace(
     config: Config | None = None,
     plans: dict[tuple[int, int], tuple[int, int]] | None = None,
     min_entries: int = 0,
+    partial_dtype: torch.dtype | None = None,
 ) -> Workspace:
     """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
     them when the caller has it already (else made here); min_entries: at least this many partial entries (a
-    stream-K launch's, gluon_few_heads.stream_entries)."""
+    stream-K launch's, gluon_few_heads.stream_entries); partial_dtype: the split partials' dtype, float16 (None:
+    PARTIAL_DTYPE) or float32 (every kernel stores into the workspace's dtype, the combine reads it in fp32). A
+    normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
+    <= 448 for e4m3 rows, <= 6 x 448 for nvfp4_ds_mla, inside fp16's range, rounded to 2^-11 of the largest."""
+    partial_dtype = PARTIAL_DTYPE if partial_dtype is None else partial_dtype
+    if partial_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"partial_dtype must be torch.float32 or torch.float16, got {partial_dtype}")
     device = torch.device(device)
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
@@ -610,7 +627,7 @@ def make_workspace(
         if s > 1:
             need = max(need, (r - whole) * s * heads)
     return Workspace(
-        part_out=torch.empty(need * LATENT_DIM, dtype=torch.float32, device=device),
+        part_out=torch.empty(need * LATENT_DIM, dtype=partial_dtype, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
         dummy_lse=torch.empty(max_rows * heads, dtype=torch.float32, device=device),
         capacity=need,
@@ -659,8 +676,16 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
             ws.part_out, ws.part_lse, out, lse_t,
             heads, splits, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
             SPLITS=triton.next_power_of_2(splits), D=LATENT_DIM,
-            num_warps=4,
+            num_warps=combine_warps(ws),
         )
+
+
+def combine_warps(ws: Workspace) -> int:
+    """_combine_kernel's warps: as many as 16-byte loads cover one split's 512 dims (4 for fp32 partials, 2 for
+    fp16), so that each thread holds the same dims of every split and the sum down the splits stays in the
+    thread. With 4 warps on fp16 partials Triton put the splits across 2 warps (a shared-memory reduction):
+    3.6 -> 7.3 µs at 8 rows, 3.9 -> 14.9 at 20 (H = 128, NOTES v19)."""
+    return LATENT_DIM * ws.part_out.element_size() // (32 * 16)
 
 
 def stream_combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tiles: int, per_cta: int,
