@@ -58,7 +58,7 @@ fi
 # (a) GPU-relevant tests (FlashInfer not on the path: the H200 has none installed).
 if [ "$TESTS" = 1 ]; then
   FILES=""
-  for f in test_convert.py test_triton_decode.py test_gluon_decode.py test_gluon_seesaw.py test_gluon_few_heads.py test_gluon_selection.py test_core.py test_dcp.py \
+  for f in test_convert.py test_triton_decode.py test_gluon_decode.py test_gluon_seesaw.py test_gluon_few_heads.py test_gluon_partials.py test_gluon_selection.py test_core.py test_dcp.py \
            test_graphs.py test_bad_input.py; do
     [ -f "tests/$f" ] && FILES="$FILES tests/$f"
   done
