@@ -55,7 +55,8 @@ DEFAULT_V_SLOTS = 3
 # A split CTA's 64 x 512 fp32 partial is 128 KB written and read back by the combine: at the H200's bandwidth
 # share of an SM about 3.8 tiles of this kernel (~2.6 µs a 64-token tile). Fitted to bench_gluon --splits on
 # the H200 (results/h200-2026-12-03/gluon-v7/splits_probe.json): at 80 rows 2-3 splits take 146 µs, the 4 picked
-# without this term 158; the picks at 5, 20 and 320 rows (the fastest probed) stay.
+# without this term 158; the picks at 5, 20 and 320 rows (the fastest probed) stay. Fitted with fp32 partials; fp16
+# (triton_decode.PARTIAL_DTYPE) halves the bytes, not yet refitted (NOTES v19).
 SPLIT_TILES = 3.8
 DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a WAW barrier (Triton's membar)
 # Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups

@@ -74,7 +74,8 @@ SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
 # A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
 # kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
-# rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection).
+# rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection). Fitted with fp32
+# partials; fp16 (triton_decode.PARTIAL_DTYPE) halves the bytes, not yet refitted (NOTES v19).
 SPLIT_TILES = 2.0
 # Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py), by (cache format, more than
 # one 16-head block): TritonDecode picks it by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any

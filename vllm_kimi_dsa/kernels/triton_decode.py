@@ -41,7 +41,7 @@ class Config:
     lazy: bool = False  # rescale the accumulator only when the running max grows by > 2**8
     swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
     ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
-    split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's fp32 partial costs (its write + the combine's read)
+    split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's partial costs (its write + the combine's read)
     # plan a batch as whole rows filling full waves unsplit, then the rest split to fill one more (choose_plan);
     # False: every row split alike (choose_splits). On for every config: on the H200 never slower beyond spread, and
     # up to 18% faster at 80-320 rows (NOTES v11: both Gluon kernels and the `tl` configs, each in one run)
