@@ -28,6 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+# the split partials' pointer type TritonDecode's workspace gives the kernels (triton_decode.PARTIAL_DTYPE)
+_PARTIAL_SIG = "*fp16"
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIGNATURE = dict(
     q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
@@ -62,7 +64,8 @@ def compile_gluon(kernel: str = "gluon", **overrides):
 
         fn, params_cls = g.gluon_decode_kernel, g.GluonParams
     heads = overrides.pop("heads", None)  # the few-heads kernel: > 16 heads compile its head-block variant
-    partials16 = overrides.pop("partials16", 0)  # fp16 split partials (make_workspace(partial_dtype=float16))
+    # the split partials' dtype: triton_decode.PARTIAL_DTYPE's (fp16), or fp32 with partials32=1
+    partials32 = overrides.pop("partials32", 0)
     base = params_cls()
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
     params = params_cls(**overrides)
@@ -72,8 +75,7 @@ def compile_gluon(kernel: str = "gluon", **overrides):
         sig = {n: sig.get(n, "i32") for n in fn.arg_names if n in sig or n in ("U", "TPC")}
     if overrides.get("nvfp4"):
         sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8
-    if partials16:
-        sig["part_out_ptr"] = "*fp16"
+    sig["part_out_ptr"] = "*fp32" if partials32 else _PARTIAL_SIG
     sig.update({k: "constexpr" for k in consts})
     # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
     divisible = [n for n, t in SIGNATURE.items() if t.startswith("*") or n.startswith("stride") or n == "K"]

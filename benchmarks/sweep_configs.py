@@ -91,7 +91,7 @@ def splits_probe(out_dir):
         for splits in sorted({1, 2, 4, 6, 8, 11, 16, 22, 32, pick}):
             ws = make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt="fp8", config=cfg)
             if splits > 1 and rows * splits * heads > ws.capacity:
-                ws.part_out = torch.empty(rows * splits * heads * LATENT_DIM, device=dev)
+                ws.part_out = torch.empty(rows * splits * heads * LATENT_DIM, dtype=ws.part_out.dtype, device=dev)
                 ws.part_lse = torch.empty(rows * splits * heads, device=dev)
                 ws.capacity = rows * splits * heads
             fns = [(lambda i=i, ws=ws, sp=splits: sparse_mla_decode(qs[i], kv, ss[i], cs, fmt="fp8", softmax_scale=0.01,

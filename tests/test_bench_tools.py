@@ -308,3 +308,16 @@ def test_time_rotated_builds_each_set_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert us == 1.5 and len(seen) == sets == len(outs) == len(lses) >= 1
     assert seen[0] == ((3, 12, 576), (3, bg.K), [bg.K] * 3, (3, 12, 512), (3, 12), 3 * 2 * 12)
     assert ws.part_out.numel() == 3 * 2 * 12 * 512
+
+
+def test_sass_reports_compile_the_shipped_partial_dtype() -> None:
+    """gluon_report / sass_report compile the kernels with the split partials' pointer type TritonDecode's workspace
+    passes (triton_decode.PARTIAL_DTYPE), so their SASS is the shipped epilogue's."""
+    import gluon_report
+    import sass_report
+
+    from vllm_kimi_dsa.kernels import triton_decode
+
+    want = {torch.float16: "*fp16", torch.float32: "*fp32"}[triton_decode.PARTIAL_DTYPE]
+    assert gluon_report._PARTIAL_SIG == want
+    assert sass_report.SIGNATURE["part_out_ptr"] == want
