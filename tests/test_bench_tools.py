@@ -321,3 +321,25 @@ def test_sass_reports_compile_the_shipped_partial_dtype() -> None:
     want = {torch.float16: "*fp16", torch.float32: "*fp32"}[triton_decode.PARTIAL_DTYPE]
     assert gluon_report._PARTIAL_SIG == want
     assert sass_report.SIGNATURE["part_out_ptr"] == want
+
+
+def test_fit_plan_cost_reads_pairs_and_scores_picks(tmp_path: Path) -> None:
+    """fit_plan_cost pairs the two forms' times by (heads, rows), per file's own variant names, and scores a set of
+    picks by the µs they lose (a pick within 1% of the faster time is not a mispick)."""
+    import fit_plan_cost as fit
+
+    def times(d):
+        return {"times": {str(r): {"us": us} for r, us in d.items()}}
+
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"results": {"one/H16": times({5: 10.0, 80: 50.0}), "two/H16": times({5: 11.0, 80: 40.0}),
+                                         "one/H12": times({320: 130.0})}}))
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps({"results": {"x/H32": times({160: 120.0}), "y/H32": times({160: 100.0})}}))
+    pairs = fit.measured_pairs([str(a), f"{b}:x,y"], "one", "two")
+    assert pairs == {(16, 5): (10.0, 11.0), (16, 80): (50.0, 40.0), (32, 160): (120.0, 100.0)}
+    assert fit.score(pairs, {(16, 5): 1, (16, 80): 2, (32, 160): 2}) == (0.0, 0)
+    assert fit.score(pairs, {(16, 5): 2, (16, 80): 1, (32, 160): 2}) == (11.0, 2)
+    assert fit.score({(16, 8): (10.0, 10.05)}, {(16, 8): 2}) == pytest.approx((0.05, 0))
+    chosen = fit.picks(pairs, {1: 1.7, 2: 1.5}, 2.0)
+    assert set(chosen) == set(pairs) and set(chosen.values()) <= {1, 2}
