@@ -43,7 +43,8 @@ def main() -> None:
     sms = td.num_sms(dev)
     consts = gd.kernel_constexprs(params)
     blocks = triton.cdiv(HEADS, gd.BLOCK_H)
-    kw = {"partial_dtype": torch.float32} if a.p32 else {}
+    dtype = torch.float32 if a.p32 else td.PARTIAL_DTYPE
+    kw = {"partial_dtype": dtype}
     results = []
     for rows in (int(r) for r in a.rows.split(",")):
         splits = td.choose_splits(rows, HEADS, K, cfg, sms)
@@ -65,8 +66,8 @@ def main() -> None:
         def combine_now(q, s, c, o, lse, ws):
             return lambda: td.combine(ws, o, lse, splits, OSCALE)
 
-        rec = {"rows": rows, "splits": splits,
-               "partial_MB": rows * splits * HEADS * LATENT_DIM * 4 / 1e6 if splits > 1 else 0.0,
+        rec = {"rows": rows, "splits": splits, "partial_dtype": str(dtype).removeprefix("torch."),
+               "partial_MB": rows * splits * HEADS * LATENT_DIM * dtype.itemsize / 1e6 if splits > 1 else 0.0,
                "kv_MB": rows * K * row_bytes("fp8") / 1e6}
         rec["full_us"] = time_rotated(full, rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]
         rec["main_us"] = time_rotated(main_only, rows, HEADS, splits, row_bytes("fp8"), dev, g, **kw)[0]

@@ -84,20 +84,21 @@ def main() -> None:
     p.add_argument("json", nargs="+", help="bench_few_heads few_heads_bench.json files")
     p.add_argument("--one", default="few-tail-regv", help="the one-CTA form's variant name")
     p.add_argument("--two", default="few-tail-regv-2cta-early", help="the two-CTA form's variant name")
+    p.add_argument("--tie", type=float, default=0.01, help="a pick within this fraction of the faster time is no mispick")
     p.add_argument("--out", default=".")
     a = p.parse_args()
     pairs = measured_pairs(a.json, a.one, a.two)
     if not pairs:
         raise SystemExit(f"no (heads, rows) with both {a.one} and {a.two} timed in {a.json}")
     current = (dict(fh.TWO_CTA_TILE_COST), fh.SPLIT_TILES)
-    cur_lost, cur_wrong = score(pairs, picks(pairs, *current))
+    cur_lost, cur_wrong = score(pairs, picks(pairs, *current), a.tie)
     print(f"{len(pairs)} points; current TWO_CTA_TILE_COST {current[0]} SPLIT_TILES {current[1]}: "
           f"{cur_lost:.1f} µs lost, {cur_wrong} mispicks")
     best = None
     for c1 in frange(1.2, 2.2, 0.05):
         for c2 in frange(1.2, 2.2, 0.05):
             for s in frange(0.5, 4.0, 0.25):
-                lost, wrong = score(pairs, picks(pairs, {1: c1, 2: c2}, s))
+                lost, wrong = score(pairs, picks(pairs, {1: c1, 2: c2}, s), a.tie)
                 # ties go to the factors nearest the current ones (the fewest changes a sweep cannot tell apart)
                 near = abs(c1 - current[0][1]) + abs(c2 - current[0][2]) + abs(s - current[1]) / 4
                 if best is None or (lost, wrong, near) < best[0]:
@@ -107,7 +108,7 @@ def main() -> None:
     print(f"best TWO_CTA_TILE_COST {cost} SPLIT_TILES {split}: {lost:.1f} µs lost, {wrong} mispicks")
     for key in sorted(pairs):
         t1, t2 = pairs[key]
-        mark = "" if (t1 if chosen[key] == 1 else t2) <= min(t1, t2) * 1.01 else "  <- mispick"
+        mark = "  <- mispick" if score({key: (t1, t2)}, chosen, a.tie)[1] else ""
         print(f"  H {key[0]:2d} rows {key[1]:4d}: one CTA {t1:7.1f} two {t2:7.1f} -> picks {chosen[key]}{mark}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "fit_plan_cost.json").write_text(json.dumps({

@@ -198,34 +198,38 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_kimi_dsa.kernels import triton_decode as td
-fn = td._combine_kernel
 out = {}
-for dtype in (torch.float16, torch.float32):
-    ws = td.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
-                      capacity=1, max_rows=1, heads=1)
-    name = "fp16" if dtype == torch.float16 else "fp32"
-    sig = dict(part_out_ptr="*" + name, part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", H="i32",
-               num_splits="i32", stride_o_row="i32", stride_o_head="i32", stride_lse_row="i32", out_scale="fp32",
-               SPLITS="constexpr", D="constexpr")
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-             for n in ("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr", "stride_o_row", "stride_o_head")}
-    for splits in (2, 8, 32):
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"SPLITS": splits, "D": 512}, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": td.combine_warps(ws)})
-        out[f"{name}-{splits}"] = {"shared": k.metadata.shared, "ld_v4": k.asm["ptx"].count("ld.global.v4")}
+for fn, pieces, extra in ((td._combine_kernel, "SPLITS", dict(num_splits="i32")),
+                          (td._stream_combine_kernel, "PIECES", dict(T="i32", TPC="i32"))):
+    for dtype in (torch.float16, torch.float32):
+        ws = td.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
+                          capacity=1, max_rows=1, heads=1)
+        name = "fp16" if dtype == torch.float16 else "fp32"
+        sig = dict(part_out_ptr="*" + name, part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", H="i32",
+                   **extra, stride_o_row="i32", stride_o_head="i32", stride_lse_row="i32", out_scale="fp32")
+        sig.update({pieces: "constexpr", "D": "constexpr"})
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in ("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr", "stride_o_row", "stride_o_head")}
+        for splits in (2, 8, 32):
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={pieces: splits, "D": 512}, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": td.combine_warps(ws)})
+            out[f"{fn.__name__}-{name}-{splits}"] = {"shared": k.metadata.shared,
+                                                     "ld_v4": k.asm["ptx"].count("ld.global.v4")}
 print(json.dumps(out))
 """
 
 
 def test_combine_keeps_the_split_sum_in_each_thread() -> None:
-    """The combine at triton_decode.combine_warps: for fp16 and fp32 partials and 2 / 8 / 32 splits, no shared memory
-    (each thread holds the same dims of every split, so the sum down the splits never leaves it; with 4 warps on
-    fp16 partials Triton spread the splits over 2 warps: 2-4x the time, NOTES v19) and 16-byte partial loads."""
+    """Both combines (the split one and the stream-K one) at triton_decode.combine_warps: for fp16 and fp32 partials
+    and 2 / 8 / 32 splits (pieces), no shared memory (each thread holds the same dims of every split, so the sum down
+    the splits never leaves it; with 4 warps on fp16 partials Triton spread the splits over 2 warps: 2-4x the time,
+    NOTES v19) and 16-byte partial loads."""
     r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=_compile_env(),
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == {f"{d}-{s}" for d in ("fp16", "fp32") for s in (2, 8, 32)}
+    assert set(res) == {f"{k}-{d}-{s}" for k in ("_combine_kernel", "_stream_combine_kernel")
+                        for d in ("fp16", "fp32") for s in (2, 8, 32)}
     for key, v in res.items():
         assert v["shared"] == 0, f"{key}: the combine went through shared memory ({v})"
-        assert v["ld_v4"] >= int(key.split("-")[1]), f"{key}: partial loads narrower than 16 bytes ({v})"
+        assert v["ld_v4"] >= int(key.split("-")[2]), f"{key}: partial loads narrower than 16 bytes ({v})"

@@ -25,8 +25,8 @@ FewHeadsParams.reg_v (fp8; reg_v_params(), which TritonDecode runs from REG_V_MI
 with Triton 3.6 and 3.8): no converter and no V16 ring; the consumer loads each 16-token k-step of the latent from
 the K stage straight into P.V's register A operand (_v_chunk: O^T's rows are permuted so a thread's dims are 16
 contiguous stage bytes), halving the shared-memory traffic a tile: ~6% faster at 320 rows, ~1 µs slower at 1-5
-with fp32 split partials (NOTES v14), ahead at every size with fp16 ones (v19). The consumer's own chain, not shared memory, paces the kernel (two consumer warpgroups, a latent half
-each, both computing Q.K, were slower: removed).
+with fp32 split partials (NOTES v14), ahead at every size with fp16 ones (v19). The consumer's own chain, not shared
+memory, paces the kernel (two consumer warpgroups, a latent half each, both computing Q.K, were slower: removed).
 Two CTAs an SM (reg_v_params(2): reg_v, K ring 2, two P.V chunks in flight, compiled with maxnreg 128 so that the
 gatherer gets 56 registers and the consumer 200; 84 KB of shared memory each): two independent consumer chains an SM,
 which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 320 rows 121.6 / 119.5 µs (0.76 /

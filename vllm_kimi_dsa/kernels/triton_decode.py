@@ -681,7 +681,7 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
 
 
 def combine_warps(ws: Workspace) -> int:
-    """_combine_kernel's warps: as many as 16-byte loads cover one split's 512 dims (4 for fp32 partials, 2 for
+    """_combine_kernel's (and _stream_combine_kernel's) warps: as many as 16-byte loads cover one split's 512 dims (4 for fp32 partials, 2 for
     fp16), so that each thread holds the same dims of every split and the sum down the splits stays in the
     thread. With 4 warps on fp16 partials Triton put the splits across 2 warps (a shared-memory reduction):
     3.6 -> 7.3 µs at 8 rows, 3.9 -> 14.9 at 20 (H = 128, NOTES v19)."""
@@ -696,7 +696,7 @@ def stream_combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tiles:
         ws.part_out, ws.part_lse, out, lse_t,
         heads, tiles, per_cta, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
         PIECES=triton.next_power_of_2(min(tiles, (tiles - 1) // per_cta + 2)), D=LATENT_DIM,
-        num_warps=4,
+        num_warps=combine_warps(ws),
     )
 
 
