@@ -56,7 +56,10 @@ OSCALE = 0.125
 # "tail_split" is not a kernel parameter: the batch runs choose_plan's tail-split plan (whole waves unsplit, the rest
 # split) through the same kernel.
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-tail": {"tail_split": True}, "gluon-v2": {"v_slots": 2},
-                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
+                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
+                                   # the consumers' row-max rendezvous (GluonParams.x_sync)
+                                   "gluon-tail-x1": {"x_sync": 1, "tail_split": True},
+                                   "gluon-tail-x2": {"x_sync": 2, "tail_split": True}}
 # gluon_seesaw's kernel: name -> SeesawParams overrides (and "tail_split" as above)
 SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw": {}, "seesaw-tail": {"tail_split": True},
@@ -66,12 +69,14 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
+    "seesaw-h1-tail": {"handoff": 1, "tail_split": True}, "seesaw-h2-tail": {"handoff": 2, "tail_split": True},  # SeesawParams.handoff
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
 # gluon_seesaw.seesaw_takes, on gluon_decode's otherwise; "mixed16-tail": the seesaw kernel on split launches of >= 16
 # tiles a CTA too (slower before the split partial's sector stores, NOTES v17 / v18)
-MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail", "mixed16-tail")
+# "mixed-whole-tail": the rule before one-launch plans went to the seesaw kernel (only unsplit long rows did)
+MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail", "mixed16-tail", "mixed-whole-tail")
 
 
 # a variant name's suffix: the same kernel and plan with fp32 split partials (make_workspace(partial_dtype=)), the
@@ -120,13 +125,14 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
     if name in MIXED_VARIANTS:
         sp, gp = SeesawParams(), GluonParams()
 
-        def takes(splits: int) -> bool:
+        def takes(splits: int, alone: bool) -> bool:
             if name == "mixed16-tail":
-                return triton.cdiv(triton.cdiv(K, BLOCK_N), splits) >= SEESAW_MIN_TILES
-            return seesaw_takes(K, splits)
+                return alone or triton.cdiv(triton.cdiv(K, BLOCK_N), splits) >= SEESAW_MIN_TILES
+            return seesaw_takes(K, splits, alone=alone and name == "mixed-tail")
 
-        def mixed(*args):  # args[-1]: the launch's splits
-            return seesaw_launch(*args, sp) if takes(args[-1]) else gluon_launch(*args, gp)
+        def mixed(*args):  # args[0]: the launch's rows (all of them: a one-launch plan), args[-1]: its splits
+            alone = args[0].shape[0] == q.shape[0]
+            return seesaw_launch(*args, sp) if takes(args[-1], alone) else gluon_launch(*args, gp)
         return tail_split_call(mixed, sp.config(), q, kv, slots, counts, out, lse, ws)
     if name in SEESAW_VARIANTS:
         overrides, tail = kernel_params(SEESAW_VARIANTS[name])

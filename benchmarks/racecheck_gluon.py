@@ -2,7 +2,8 @@
 report names the shared-memory offsets, to tell the kernel's own buffers (Q, K ring, V16, mbarriers: the first
 ~176.5 KB) from the state Triton's warp_specialize lowering keeps after them.
 
-    python3 benchmarks/racecheck_gluon.py [gluon|seesaw]   (the 64-head kernel or the seesaw kernel; default gluon)"""
+    python3 benchmarks/racecheck_gluon.py [gluon|seesaw] [field=value ...]
+(the 64-head kernel or the seesaw kernel, default gluon; fields: GluonParams' / SeesawParams' overrides, integers)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ import torch  # noqa: E402
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
-decode = {"gluon": gluon_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}[sys.argv[1] if len(sys.argv) > 1 else "gluon"]
+kind = sys.argv[1] if len(sys.argv) > 1 else "gluon"
+overrides = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+if kind == "seesaw":
+    def decode(*args, **kwargs):
+        return seesaw_sparse_mla_decode(*args, **kwargs, params=SeesawParams(**overrides))
+else:
+    def decode(*args, **kwargs):
+        return gluon_sparse_mla_decode(*args, **kwargs, **overrides)
 
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
@@ -30,4 +39,6 @@ out = torch.empty(rows, heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
 lse = torch.empty(rows, heads, device=dev)
 h = decode(q, kv, slots, counts, softmax_scale=0.05, output_scale=1.0, out=out, lse=lse, splits=1)
 torch.cuda.synchronize()
-print("smem bytes", h.metadata.shared, "finite", bool(torch.isfinite(out).all()))
+ref, _ = reference_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=0.05, output_scale=1.0)
+rel = float((out.float() - ref).norm() / ref.norm())
+print(kind, overrides, "smem bytes", h.metadata.shared, "finite", bool(torch.isfinite(out).all()), f"rel L2 {rel:.2e}")

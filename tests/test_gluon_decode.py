@@ -52,10 +52,12 @@ class Case:
     k_stages: int = 2
     v_slots: int = 3
     cvt_rows: int = 32
+    x_sync: int = 0
 
     def params(self) -> GluonParams:
         """The kernel's compile-time shape for this case (raises ValueError for one it cannot take)."""
-        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows)
+        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
+                           x_sync=self.x_sync)
 
 
 CASES = [
@@ -87,6 +89,15 @@ CASES = [
     Case(7, 96, 1024, splits=1, cvt_rows=8),
     Case(19, 128, 2048, splits=2, cvt_rows=16),
     Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_slots=4, cvt_rows=16),
+    # the consumers' row-max rendezvous: each thread's own arrive too, a named barrier (GluonParams.x_sync)
+    Case(5, 128, 2048, splits=3, x_sync=1),
+    Case(33, 96, 1024, splits=1, x_sync=1),
+    Case(5, 128, 2048, splits=11, x_sync=2),
+    Case(7, 64, 128, splits=1, x_sync=2),
+    Case(19, 128, 2048, splits=2, x_sync=2),
+    Case(33, 96, 1024, splits=1, x_sync=2),
+    Case(320, 128, 2048, x_sync=2),
+    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=4, x_sync=2),
 ]
 
 
@@ -128,7 +139,8 @@ def _poisoned(rows: int, heads: int):
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}"
+                         f"-x{c.x_sync}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)

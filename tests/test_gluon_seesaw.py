@@ -37,9 +37,10 @@ class Case:
     splits: int | None = None  # None: the heuristic; 1: no combine
     k_stages: int = 4
     pv_in_flight: int = 2  # SeesawParams' default
+    handoff: int = 0
 
     def params(self) -> SeesawParams:
-        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight)
+        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, handoff=self.handoff)
 
 
 CASES = [
@@ -66,11 +67,22 @@ CASES = [
     # an even and an odd tile count a split (8 and 5 of 64 tokens)
     Case(3, 128, 2048, splits=4),
     Case(6, 96, 1024, splits=3),
+    # the consumers' hand-offs (SeesawParams.handoff): each thread's own arrive too; named barriers (one-tile rows,
+    # even / odd tile counts, count-0 and empty splits: the P-buffer credit taken back with no tiles)
+    Case(7, 96, 1024, splits=1, handoff=1),
+    Case(33, 128, 1024, splits=1, pv_in_flight=1, handoff=1),
+    Case(2, 64, 128, splits=1, handoff=2),
+    Case(3, 128, 2048, splits=4, handoff=2),
+    Case(6, 96, 1024, splits=3, handoff=2),
+    Case(5, 128, 2048, splits=11, handoff=2),
+    Case(33, 128, 1024, splits=1, pv_in_flight=1, handoff=2),
+    Case(320, 128, 2048, splits=1, handoff=2),
+    Case(37, 64, 2048, splits=1, k_stages=3, handoff=2),
 ]
 
 
 def _case_id(c: Case) -> str:
-    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}"
+    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}-ho{c.handoff}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -84,6 +96,8 @@ def test_rejects_bad_params() -> None:
         SeesawParams(pv_in_flight=3)
     with pytest.raises(ValueError, match="k_stages"):
         SeesawParams(k_stages=6)
+    with pytest.raises(ValueError, match="handoff"):
+        SeesawParams(handoff=3)
     with pytest.raises(ValueError, match="consumer_regs"):
         SeesawParams(consumer_regs=240, producer_regs=56)  # WG0 would get 208 < 240
 
@@ -133,7 +147,7 @@ def test_kernel_class_runs_seesaw_on_whole_long_rows(monkeypatch: pytest.MonkeyP
     if k.gluon is None or not seesaw_verified():
         pytest.skip("the Gluon kernels or the seesaw kernel are not verified on this Triton")
     kinds = {r: tuple(type(p) for p in k.plan_params[r, width]) for r in rows_list}
-    assert kinds == {5: (GluonParams, GluonParams), 64: (SeesawParams, SeesawParams),
+    assert kinds == {5: (SeesawParams, SeesawParams), 64: (SeesawParams, SeesawParams),
                      80: (SeesawParams, GluonParams)}, kinds
     for rows in rows_list:
         out, lse = _poisoned(rows, heads)

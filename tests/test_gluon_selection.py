@@ -47,6 +47,8 @@ def test_gluon_params_reject_bad_shapes() -> None:
         GluonParams(cvt_rows=24)
     with pytest.raises(ValueError, match="cvt_rows"):
         GluonParams(block_n=32, cvt_rows=64)
+    with pytest.raises(ValueError, match="x_sync"):
+        GluonParams(x_sync=3)
     GluonParams(consumer_regs=232, producer_regs=40)
     GluonParams()  # 36 + 72 + 96 + 16 KB (the P halves) + 2 KB fits
     GluonParams(block_n=32, k_stages=5, v_slots=5)  # 36 + 90 + 80 + 8 + 2 KB
@@ -180,8 +182,9 @@ def test_env_cannot_force_gluon_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
 
 def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs on a CPU too (the binding, not the kernels): TritonDecode at 128 heads, fp8, bound as on the H200's 132
-    SMs, runs each unsplit launch of rows of >= SEESAW_MIN_TILES tiles on the seesaw kernel and every other launch
-    on gluon_decode's kernel; the plans are the 64-head kernel's either way."""
+    SMs, runs a one-launch plan (split or not) and each unsplit launch of rows of >= SEESAW_MIN_TILES tiles on the
+    seesaw kernel and a split tail after whole rows on gluon_decode's kernel; the plans are the 64-head kernel's
+    either way."""
     from vllm_kimi_dsa.kernels import triton_decode
 
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
@@ -194,16 +197,21 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
     for (rows, width), (first, tail) in k.plan_params.items():
         whole, splits = k._plans[rows, width]
         assert (whole, splits) == triton_decode.choose_plan(rows, 128, width, gluon_config(), 132)
-        assert isinstance(first, SeesawParams) == seesaw_takes(width, 1 if whole else splits)
-        assert isinstance(tail, SeesawParams) == seesaw_takes(width, splits)
+        assert isinstance(first, SeesawParams) == seesaw_takes(width, 1 if whole else splits, alone=not whole)
+        assert isinstance(first, SeesawParams) == (not whole or (width >= 1024))
+        assert tail is first if not whole else isinstance(tail, SeesawParams) == seesaw_takes(width, splits)
         assert all(isinstance(p, (GluonParams, SeesawParams)) for p in (first, tail))
     kinds = {rows: tuple(type(p).__name__[0] for p in k.plan_params[rows, 2048]) for rows in (5, 20, 64, 80, 200, 320)}
-    # 5 / 20 rows split 11 / 3 ways; 64 and 320 rows unsplit; 80 and 200 rows: whole rows, then a split tail
-    assert kinds == {5: ("G", "G"), 20: ("G", "G"), 64: ("S", "S"), 80: ("S", "G"), 200: ("S", "G"),
+    # 5 / 20 rows: one launch split 11 / 3 ways; 64 and 320 rows unsplit; 80 and 200 rows: whole rows, then a split
+    # tail (the tail on the 64-head kernel)
+    assert kinds == {5: ("S", "S"), 20: ("S", "S"), 64: ("S", "S"), 80: ("S", "G"), 200: ("S", "G"),
                      320: ("S", "S")}, kinds
     assert k._plans[64, 1024] == (0, 1) and all(isinstance(p, SeesawParams) for p in k.plan_params[64, 1024])
-    assert not any(isinstance(p, SeesawParams) for pair in (k.plan_params[r, 512] for r in range(1, 321)) for p in pair)
-    assert not any(isinstance(p, SeesawParams) for pair in (k.plan_params[r, 2048] for r in range(1, 45)) for p in pair)
+    # width 512 (8 tiles): only one-launch plans run on the seesaw kernel
+    for r in range(1, 321):
+        whole = k._plans[r, 512][0]
+        assert isinstance(k.plan_params[r, 512][0], SeesawParams) == (not whole), r
+        assert isinstance(k.plan_params[r, 512][1], SeesawParams) == (not whole), r
 
 
 def test_run_plan_runs_split_rows_on_split_launch() -> None:

@@ -26,7 +26,8 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
 - mbarriers: k_ready[s] (count 129: producer threads via cp.async + one arrive publishing the stage's 0 / -inf
   token bias, which the consumers add to S instead of loading the slots), k_empty[s] (3: both consumers after their Q.K,
   the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
-  that use, after its P.V), x_ready[2] (1: that consumer), p_ready[2] (2: both consumers).
+  that use, after its P.V), p_ready[2] (2: both consumers). The row maxima / sums: stored to x_s, then a named
+  barrier of both consumers (`bar.sync 15, 256`; GluonParams.x_sync: x_ready mbarriers in the other forms).
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
 
 The producer is built from helpers (`_load_slots`, `_gather_tile`, `_convert_tile`) that gluon_few_heads.py's
@@ -134,6 +135,7 @@ def gluon_available(device: torch.device | str | None = None) -> bool:
 
 if gl is not None:
     _BH = gl.constexpr(BLOCK_H)
+    _ONE_A_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a warpgroup's 128 threads
     _D = gl.constexpr(LATENT_DIM)
 
     @gluon.jit
@@ -149,6 +151,21 @@ if gl is not None:
         return p, m_new, l_i, acc
 
     @gluon.jit
+    def _exchange(x_ready, phase, HALF: gl.constexpr, X_SYNC: gl.constexpr):
+        """The two consumers' rendezvous after each stored its share in x_s (X_SYNC, see GluonParams.x_sync): 0 one
+        thread's mbarrier arrive after the partition's bar.sync, 1 the same plus every thread's own
+        cp.async.mbarrier.arrive (count 129: racecheck sees each storing thread release its store), 2 a named
+        barrier of both warpgroups (bar.sync 15, 256; Triton's own barriers take the low ids)."""
+        if X_SYNC == 2:
+            gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r",
+                                      [gl.arange(0, 128, _ONE_A_THREAD)], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            if X_SYNC == 1:
+                async_copy.mbarrier_arrive(x_ready.index(HALF), increment_count=False)
+            mbarrier.arrive(x_ready.index(HALF))
+            mbarrier.wait(x_ready.index(1 - HALF), phase)
+
+    @gluon.jit
     def _consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
         k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
@@ -157,6 +174,7 @@ if gl is not None:
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
+        X_SYNC: gl.constexpr,
     ):
         """A consumer warpgroup: S = Q K^T for this warpgroup's BLOCK_N / 2 tokens only (no redundant Q.K); the row
         maxima go through x_s (x_ready: count 1, the other consumer waits) so both scale by the same max, and the
@@ -204,8 +222,7 @@ if gl is not None:
             # other consumer has read tile it - 2's before it published tile it - 1's)
             xb = it % 2
             x_s.index(xb * 2 + HALF).store(gl.max(s, axis=1))
-            mbarrier.arrive(x_ready.index(HALF))
-            mbarrier.wait(x_ready.index(1 - HALF), it & 1)
+            _exchange(x_ready, it & 1, HALF, X_SYNC)
             m_tile = gl.maximum(x_s.index(xb * 2).load(head_s_layout), x_s.index(xb * 2 + 1).load(head_s_layout))
             p, m_i, l_i, acc = _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout)
             # this consumer's P half for both consumers' P.V (wgmma reads it through the async proxy); buffer
@@ -226,8 +243,7 @@ if gl is not None:
         # the row sum over both consumers' tokens (one more use of the max exchange's buffers and barriers)
         xb = num_tiles % 2
         x_s.index(xb * 2 + HALF).store(l_i)
-        mbarrier.arrive(x_ready.index(HALF))
-        mbarrier.wait(x_ready.index(1 - HALF), num_tiles & 1)
+        _exchange(x_ready, num_tiles & 1, HALF, X_SYNC)
         l_i = x_s.index(xb * 2).load(head_s_layout) + x_s.index(xb * 2 + 1).load(head_s_layout)
 
         _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
@@ -568,6 +584,7 @@ if gl is not None:
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
+        X_SYNC: gl.constexpr,  # the consumers' row-max rendezvous (GluonParams.x_sync)
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
@@ -598,7 +615,8 @@ if gl is not None:
         x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(x_ready.index(i), count=1)  # consumer i, after storing its maxima (or row sums)
+            # consumer i, after storing its maxima (or row sums): one thread, + each thread's own with X_SYNC 1
+            mbarrier.init(x_ready.index(i), count=129 if X_SYNC == 1 else 1)
             mbarrier.init(p_ready.index(i), count=2)  # both consumers, after storing their P halves
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
@@ -623,13 +641,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, BLOCK_N, K_STAGES, V_SLOTS)),
+                             0, BLOCK_N, K_STAGES, V_SLOTS, X_SYNC)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
                              k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, BLOCK_N, K_STAGES, V_SLOTS)),
+                             1, BLOCK_N, K_STAGES, V_SLOTS, X_SYNC)),
                 (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                              kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                              BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
@@ -652,12 +670,19 @@ class GluonParams:
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
+    # the consumers' row-max rendezvous: 0 one thread's mbarrier arrive each, 1 that plus each thread's own arrive,
+    # 2 a named barrier of both consumers. racecheck follows 1 and 2, not 0 (it does not carry the partition's
+    # bar.sync into the one thread's arrive); 2 costs nothing (H200, one run: 17.5 / 20.1 / 34.5 / 79.7 / 243.2 /
+    # 376.4 µs at 5 / 8 / 20 / 64 / 200 / 320 rows against 0's 17.4 / 20.1 / 34.1 / 79.0 / 244.2 / 376.1), 1 up to +1%
+    x_sync: int = 2
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
+        if self.x_sync not in (0, 1, 2):
+            raise ValueError(f"x_sync must be 0, 1 or 2, got {self.x_sync}")
         check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
         smem += 2 * BLOCK_H * self.block_n * 2  # the P halves, two tiles
@@ -692,7 +717,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
+                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs, X_SYNC=params.x_sync)
 
 
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
@@ -754,6 +779,7 @@ def gluon_sparse_mla_decode(
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
+    x_sync: int = 2,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -764,7 +790,7 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. producer_regs: GluonParams' fields.
+    block_n .. x_sync: GluonParams' fields.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
     reason = gluon_unavailable_reason(query.device)
@@ -775,7 +801,7 @@ def gluon_sparse_mla_decode(
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
-                         consumer_regs=consumer_regs, producer_regs=producer_regs)
+                         consumer_regs=consumer_regs, producer_regs=producer_regs, x_sync=x_sync)
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None

@@ -75,9 +75,15 @@ if gl is not None:
     warpgroup_mma = gd.warpgroup_mma
     warpgroup_mma_init = gd.warpgroup_mma_init
     warpgroup_mma_wait = gd.warpgroup_mma_wait
+    async_copy = gd.async_copy
     from vllm_kimi_dsa.kernels import gluon_few_heads as gfh
 
     _BH = gl.constexpr(BLOCK_H)
+    _ONE_A_THREAD = gd._ONE_A_THREAD
+    # named barrier ids of HANDOFF 2 (Triton's own barriers take 0 .. 3 here: the partitions' and warp_specialize's)
+    _P_READY_ID = gl.constexpr(8)  # + P buffer
+    _P_EMPTY_ID = gl.constexpr(10)  # + P buffer
+    _L_ID = gl.constexpr(12)
     _BN = gl.constexpr(BLOCK_N)
     # S = Q K^T: 64 heads x 64 tokens (a row's max within a lane quad); O^T: 256 latent dims x 64 heads a consumer
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -139,8 +145,29 @@ if gl is not None:
         return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, _O_LAYOUT)), 0)
 
     @gluon.jit
+    def _arrive(bar, HANDOFF: gl.constexpr):
+        """A consumer's mbarrier arrive publishing its shared-memory stores (HANDOFF 0 / 1): one thread's after the
+        partition's bar.sync, and with HANDOFF 1 each thread's own cp.async.mbarrier.arrive too (the barrier counts
+        128 more a consumer), which racecheck follows where it does not follow the bar.sync into the one arrive."""
+        if HANDOFF == 1:
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+        mbarrier.arrive(bar)
+
+    @gluon.jit
+    def _named(bar_id, SYNC: gl.constexpr):
+        """HANDOFF 2: named barrier bar_id of both consumers (256 threads): SYNC waits for it, else this warpgroup
+        only arrives (bar.arrive publishes its prior shared-memory stores to the threads that sync)."""
+        ids = gl.full([128], 0, gl.int32, _ONE_A_THREAD) + bar_id
+        if SYNC:
+            gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
-                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr):
         """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
         other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T)."""
         bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
@@ -152,40 +179,56 @@ if gl is not None:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
-        mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
+        if HANDOFF == 2:
+            _named(_P_EMPTY_ID + b, True)
+        else:
+            mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
         p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
         fence_async_shared()
-        mbarrier.arrive(p_ready.index(b))
+        if HANDOFF == 2:
+            _named(_P_READY_ID + b, False)
+        else:
+            _arrive(p_ready.index(b), HANDOFF)
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
     @gluon.jit
     def _other_tile(t, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr):
         """Tile t, the other consumer's: take m_t and P_t from the owner, rescale and add this consumer's P.V of the
         tile; retired, the P buffer handed back. Returns (m_t, l, O^T)."""
         # the stage's bytes (read here through registers) are visible after its k_ready phase
         mbarrier.wait(k_ready.index(t % K_STAGES), (t // K_STAGES) & 1)
         b = t % 2
-        mbarrier.wait(p_ready.index(b), (t // 2) & 1)
+        if HANDOFF == 2:
+            _named(_P_READY_ID + b, True)
+        else:
+            mbarrier.wait(p_ready.index(b), (t // 2) & 1)
         m_new = x_s.index(b).load(gl.SliceLayout(1, _S_LAYOUT))
         alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
         l_i = l_i * alpha
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        mbarrier.arrive(p_empty.index(b))
+        if HANDOFF == 2:
+            _named(_P_EMPTY_ID + b, False)
+        else:
+            _arrive(p_empty.index(b), HANDOFF)
         return m_new, l_i, acc
 
     @gluon.jit
     def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr,
+                  HANDOFF: gl.constexpr):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
         out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
-        mbarrier.arrive(l_ready.index(0))
-        mbarrier.wait(l_ready.index(0), 0)
+        if HANDOFF == 2:
+            _named(_L_ID, True)
+        else:
+            _arrive(l_ready.index(0), HANDOFF)
+            mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
         has = l_i > 0.0
@@ -215,32 +258,36 @@ if gl is not None:
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr,
+        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr,
     ):
         """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile) and takes P.V of the others (_other_tile), in
         tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's."""
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
+        if HANDOFF == 2:  # the other's P buffer starts free: one arrival ahead (taken back below, before the end)
+            _named(_P_EMPTY_ID + 1 - HALF, False)
         if HALF == 0:
             if num_tiles > 0:
                 s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                          qk_scale, HALF, K_STAGES, IN_FLIGHT)
+                                          qk_scale, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
         # the other's tile o - 1, then this consumer's tile o
         for o in range(2 - HALF, num_tiles, 2):
             m_i, l_i, acc = _other_tile(o - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                        HALF, K_STAGES, IN_FLIGHT)
+                                        HALF, K_STAGES, IN_FLIGHT, HANDOFF)
             s = warpgroup_mma_wait(num_outstanding=0,
                                    deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
             m_i, l_i, acc = _own_tile(o, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                      qk_scale, HALF, K_STAGES, IN_FLIGHT)
+                                      qk_scale, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
-                                        p_empty, HALF, K_STAGES, IN_FLIGHT)
+                                        p_empty, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
+        if HANDOFF == 2:  # the other's arrival after this consumer's last tile (or its first one, with no tiles)
+            _named(_P_EMPTY_ID + HALF, True)
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF)
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, HANDOFF)
 
     @gluon.jit
     def seesaw_decode_kernel(
@@ -254,6 +301,7 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr,  # P.V k-steps (of 4) whose register operands are in flight at once
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
+        HANDOFF: gl.constexpr,  # SeesawParams.handoff
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
@@ -275,9 +323,10 @@ if gl is not None:
             mbarrier.init(k_ready.index(i), count=129)  # the gatherer's cp.async arrivals + its bias publish
             mbarrier.init(k_empty.index(i), count=2)  # both consumers, their P.V operands loaded
         for i in gl.static_range(2):
-            mbarrier.init(p_ready.index(i), count=1)  # the tile's owner
-            mbarrier.init(p_empty.index(i), count=1)  # the other consumer, its P.V retired
-        mbarrier.init(l_ready.index(0), count=2)
+            # (+ 128: each thread's own arrive, with HANDOFF 1; unused with 2)
+            mbarrier.init(p_ready.index(i), count=129 if HANDOFF == 1 else 1)  # the tile's owner
+            mbarrier.init(p_empty.index(i), count=129 if HANDOFF == 1 else 1)  # the other consumer, P.V retired
+        mbarrier.init(l_ready.index(0), count=258 if HANDOFF == 1 else 2)
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         gfh._store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
@@ -290,13 +339,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, K_STAGES, PV_IN_FLIGHT)),
+                             0, K_STAGES, PV_IN_FLIGHT, HANDOFF)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                              k_ready, k_empty, p_ready, p_empty, l_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, K_STAGES, PV_IN_FLIGHT)),
+                             1, K_STAGES, PV_IN_FLIGHT, HANDOFF)),
                 (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
@@ -319,6 +368,9 @@ class SeesawParams:
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
+    # the consumers' hand-offs (P and m_t, P freed, the row sums): 0 mbarriers, one thread's arrive; 1 the same plus
+    # each thread's own arrive (what racecheck follows; _arrive); 2 named barriers (bar.arrive / bar.sync; _named)
+    handoff: int = 0
     # Measured and removed (NOTES v16 / v17, H200, 320 rows): the non-owner issuing its next tile's Q.K before the
     # other's P (S's 32 registers held across P.V: 367-476 µs), and the next Q.K and softmax before the other's max
     # (P' rescaled after: 361-368 µs), against 344-345 for this order.
@@ -326,6 +378,8 @@ class SeesawParams:
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
+        if self.handoff not in (0, 1, 2):
+            raise ValueError(f"handoff must be 0, 1 or 2, got {self.handoff}")
         gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
@@ -340,13 +394,19 @@ class SeesawParams:
 def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
-                PRODUCER_REGS=params.producer_regs)
+                PRODUCER_REGS=params.producer_regs, HANDOFF=params.handoff)
 
 
-def seesaw_takes(width: int, splits: int) -> bool:
-    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: unsplit
-    rows of at least SEESAW_MIN_TILES tiles."""
-    return splits == 1 and triton.cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES
+def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:
+    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: the one
+    launch of a plan (alone), split or not, and otherwise unsplit rows of at least SEESAW_MIN_TILES tiles.
+
+    One-launch plans, H200 (results/h200-2026-12-04/seesaw-alone, one run, H = 128, µs, 64-head kernel -> this
+    one): width 2048 at 1 / 2 / 4 / 5 / 8 / 16 / 20 / 32 rows (split 32 .. 2 ways) 12.0 / 13.8 / 15.9 / 17.4 / 20.1 /
+    28.2 / 34.2 / 45.3 -> 11.4 / 13.4 / 15.3 / 16.7 / 19.4 / 27.5 / 33.1 / 43.9; width 512 at 1 / 5 / 20 / 64 rows
+    10.3 / 12.6 / 17.5 / 30.6 -> 9.6 / 12.1 / 17.1 / 24.9. The split tail after a whole-rows launch stays on the
+    64-head kernel (slower there: SEESAW_MIN_TILES above)."""
+    return alone or (splits == 1 and triton.cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES)
 
 
 def seesaw_verified() -> bool:

@@ -794,7 +794,7 @@ class TritonDecode:
         # fp8 few heads from gluon_few_heads.REG_V_MIN_ROWS rows: its reg_v params at one or two CTAs an SM (same
         # tile shape; one workspace sized from all the plans), on the Triton versions reg_v was verified on (or when
         # asked for with VLLM_KIMI_DSA_GLUON=1). fp8 > 32 heads: the seesaw kernel (same tiles and plans), where it was
-        # verified, for the launches of unsplit rows of enough tiles (gluon_seesaw.seesaw_takes).
+        # verified, for one-launch plans and the launches of unsplit rows of enough tiles (gluon_seesaw.seesaw_takes).
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
         want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
@@ -826,8 +826,9 @@ class TritonDecode:
         # the implementation each launch of each (rows, width) plan runs is bound here, once: the call path does not
         # branch on it. plan_params[rows, width] says which: (the first launch's params, the split rows' launch's);
         # None: this file's kernel. Few heads from large_from rows: the large params (reg_v at one or two CTAs an SM)
-        # whose plan the model costs least, for both launches. > 32 heads: each launch of unsplit rows of enough
-        # tiles on the seesaw kernel (gluon_seesaw.seesaw_takes), the split ones on the small params.
+        # whose plan the model costs least, for both launches. > 32 heads: a one-launch plan, and the whole rows'
+        # launch of a two-launch plan when its rows have enough tiles, on the seesaw kernel
+        # (gluon_seesaw.seesaw_takes); a split tail after whole rows on the small params.
         small = (self._launch_tl if self.gluon is None else self._gluon_call(self.gluon), self.gluon)
         large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
@@ -842,8 +843,10 @@ class TritonDecode:
                 self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
                 first = tail = (large_launches[best], self.gluon_large[best])
             elif seesaw is not None:
-                first = seesaw if seesaw_takes(width, 1 if whole else splits) else small
+                first = seesaw if seesaw_takes(width, 1 if whole else splits, alone=not whole) else small
                 tail = seesaw if seesaw_takes(width, splits) else small
+                if not whole:  # no second launch: bound as the first, for the record (plan_params)
+                    tail = first
             self._launches[rows, width] = (first[0], tail[0])
             self.plan_params[rows, width] = (first[1], tail[1])
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
