@@ -6,28 +6,20 @@ set -u
 OUT=${OUT:-/tmp/exchange}
 mkdir -p "$OUT" /tmp/t38
 export PYTHONUNBUFFERED=1
+source benchmarks/device_lib.sh
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || { echo "untar failed"; exit 3; }
-rc_one() {  # $1 = label, $2 = PYTHONPATH, rest: racecheck_gluon.py arguments
-  local label=$1 pp=$2; shift 2
-  PYTHONPATH=$pp timeout 150 "$CS" --tool racecheck --racecheck-report hazard --print-limit 100000 \
-    python3 benchmarks/racecheck_gluon.py "$@" > "$OUT/rc_$label.log" 2>&1
-  echo "$label rc=$?: $(grep -h 'rel L2' "$OUT/rc_$label.log") | $(grep -h 'RACECHECK SUMMARY' "$OUT/rc_$label.log")"
-  grep -A2 "hazard detected" "$OUT/rc_$label.log" | grep -o "at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" \
-    | sed 's/+0x[0-9a-f]*//' | paste -d' ' - - | sort | uniq -c | sort -rn | head -6
-  gzip -f "$OUT/rc_$label.log"
-}
 for tv in t36 t38; do
   pp=$(pwd); [ $tv = t38 ] && pp=/tmp/t38:$(pwd)
   rc_one ${tv}_gluon_x0 "$pp" gluon x_sync=0
   rc_one ${tv}_gluon_x1 "$pp" gluon x_sync=1
   rc_one ${tv}_gluon_x2 "$pp" gluon x_sync=2
-  rc_one ${tv}_seesaw_ta0 "$pp" seesaw thread_arrives=0
-  rc_one ${tv}_seesaw_ta1 "$pp" seesaw thread_arrives=1
+  rc_one ${tv}_seesaw_h0 "$pp" seesaw handoff=0
+  rc_one ${tv}_seesaw_h1 "$pp" seesaw handoff=1
 done
 export PYTHONPATH=$(pwd)
 timeout ${BENCH_S:-200} python3 -u benchmarks/bench_gluon.py --out "$OUT" --only gluon-tail,gluon-tail-x1,gluon-tail-x2 \
   --rows 5,8,20,64 2>&1 | grep -v Warning | grep -E "rows|rel|FAIL" | tee "$OUT/bench_gluon.log"
 mv "$OUT/gluon_bench.json" "$OUT/gluon_bench_x.json" 2>/dev/null
-timeout ${BENCH_S:-200} python3 -u benchmarks/bench_gluon.py --out "$OUT" --only seesaw-tail,seesaw-ta-tail,gluon-tail,gluon-tail-x2 \
+timeout ${BENCH_S:-200} python3 -u benchmarks/bench_gluon.py --out "$OUT" --only seesaw-tail,seesaw-h1-tail,gluon-tail,gluon-tail-x2 \
   --rows 64,200,320 2>&1 | grep -v Warning | grep -E "rows|rel|FAIL" | tee "$OUT/bench_seesaw.log"

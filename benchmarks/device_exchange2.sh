@@ -10,15 +10,6 @@ source benchmarks/device_lib.sh
 tests "tests/test_gluon_decode.py tests/test_gluon_seesaw.py" handoffs 150 "matches_reference and (x1 or x2 or ho1 or ho2)"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || { echo "untar failed"; exit 3; }
-rc_one() {  # $1 = label, $2 = PYTHONPATH, rest: racecheck_gluon.py arguments
-  local label=$1 pp=$2; shift 2
-  PYTHONPATH=$pp timeout 150 "$CS" --tool racecheck --racecheck-report hazard --print-limit 100000 \
-    python3 benchmarks/racecheck_gluon.py "$@" > "$OUT/rc_$label.log" 2>&1
-  echo "$label rc=$?: $(grep -h 'rel L2' "$OUT/rc_$label.log") | $(grep -h 'RACECHECK SUMMARY' "$OUT/rc_$label.log")"
-  grep -A2 "hazard detected" "$OUT/rc_$label.log" | grep -o "at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" \
-    | sed 's/+0x[0-9a-f]*//' | paste -d' ' - - | sort | uniq -c | sort -rn | head -6
-  rm -f "$OUT/rc_$label.log"
-}
 for tv in t36 t38; do
   pp=$(pwd); [ $tv = t38 ] && pp=/tmp/t38:$(pwd)
   rc_one ${tv}_gluon_x2 "$pp" gluon x_sync=2
