@@ -69,7 +69,7 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
-    "seesaw-h1-tail": {"handoff": 1, "tail_split": True}, "seesaw-h2-tail": {"handoff": 2, "tail_split": True},  # SeesawParams.handoff
+    "seesaw-h1-tail": {"handoff": 1, "tail_split": True},  # SeesawParams.handoff
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where

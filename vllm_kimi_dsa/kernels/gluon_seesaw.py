@@ -27,13 +27,15 @@ Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x
   consumer 0 the LSE.
 - mbarriers: k_ready[s] (129: the gatherer), k_empty[s] (2: each consumer once its P.V operands are loaded; the
   owner's Q.K has retired by then), p_ready[b] (1: the owner), p_empty[b] (1: the non-owner, after its P.V of the
-  tile retired), l_ready (2).
+  tile retired), l_ready (2); with SeesawParams.handoff = 1 the last three count each consumer thread's own arrive
+  too (+128 a consumer).
 
 Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17 / v18): 345.4 vs gluon_decode's 377.7
-µs at 320 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit. Split launches on their own are level
-with the other kernel since its partial stores write whole sectors (19.7 vs 19.5 µs at 5 rows, 48.4 vs 49.2 at 32;
+µs at 320 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit. Split launches on their own were level
+with the other kernel once its partial stores wrote whole sectors (19.7 vs 19.5 µs at 5 rows, 48.4 vs 49.2 at 32;
 they cost 4-5 µs more before: ncu showed consumer WG1 waiting for its half-sector partial stores to drain before
-its setmaxnreg release), but a split tail launched after a whole-rows launch still loses (80 rows 119.6 vs 109.7,
+its setmaxnreg release), and are 2-5% faster with fp16 partials (NOTES v20, seesaw_takes), but a split tail
+launched after a whole-rows launch still loses (80 rows 119.6 vs 109.7,
 96 rows with 16-tile splits 134.7 vs 125.9), hence TritonDecode's per-launch choice (seesaw_takes). The tensor pipe
 is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax, the hand-off) runs through both
 consumers in series. Two reorderings that take the Q.K off that chain were measured slower and removed
@@ -59,8 +61,8 @@ BLOCK_N = 64  # tokens a tile
 # Triton versions on which this kernel passed its GPU tests on the H200; TritonDecode picks it only there (or when
 # asked for with VLLM_KIMI_DSA_GLUON=1)
 VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
-# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when the launch is unsplit and each CTA runs at least
-# this many tiles (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
+# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when it is the plan's only launch, or unsplit with at least
+# this many tiles a CTA (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
 # seesaw-split and sector-stores, one run each) it wins on unsplit rows (16 tiles, width 1024, 64 rows: 40.1 vs 46.7
 # µs; 32 tiles: 71.7 vs 79.2); on split launches it is level alone (5 / 20 / 32 rows: 19.7 / 36.4 / 48.4 vs 19.5 /
 # 36.7 / 49.2) but loses as the tail after a whole-rows launch (16-tile splits at 96 / 160 rows: 134.7 / 206.3 vs
@@ -79,11 +81,6 @@ if gl is not None:
     from vllm_kimi_dsa.kernels import gluon_few_heads as gfh
 
     _BH = gl.constexpr(BLOCK_H)
-    _ONE_A_THREAD = gd._ONE_A_THREAD
-    # named barrier ids of HANDOFF 2 (Triton's own barriers take 0 .. 3 here: the partitions' and warp_specialize's)
-    _P_READY_ID = gl.constexpr(8)  # + P buffer
-    _P_EMPTY_ID = gl.constexpr(10)  # + P buffer
-    _L_ID = gl.constexpr(12)
     _BN = gl.constexpr(BLOCK_N)
     # S = Q K^T: 64 heads x 64 tokens (a row's max within a lane quad); O^T: 256 latent dims x 64 heads a consumer
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -146,24 +143,12 @@ if gl is not None:
 
     @gluon.jit
     def _arrive(bar, HANDOFF: gl.constexpr):
-        """A consumer's mbarrier arrive publishing its shared-memory stores (HANDOFF 0 / 1): one thread's after the
-        partition's bar.sync, and with HANDOFF 1 each thread's own cp.async.mbarrier.arrive too (the barrier counts
+        """A consumer's mbarrier arrive publishing its shared-memory stores: one thread's after the partition's
+        bar.sync, and with HANDOFF 1 each thread's own cp.async.mbarrier.arrive too (the barrier counts
         128 more a consumer), which racecheck follows where it does not follow the bar.sync into the one arrive."""
-        if HANDOFF == 1:
+        if HANDOFF:
             async_copy.mbarrier_arrive(bar, increment_count=False)
         mbarrier.arrive(bar)
-
-    @gluon.jit
-    def _named(bar_id, SYNC: gl.constexpr):
-        """HANDOFF 2: named barrier bar_id of both consumers (256 threads): SYNC waits for it, else this warpgroup
-        only arrives (bar.arrive publishes its prior shared-memory stores to the threads that sync)."""
-        ids = gl.full([128], 0, gl.int32, _ONE_A_THREAD) + bar_id
-        if SYNC:
-            gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
-                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
@@ -179,17 +164,11 @@ if gl is not None:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
-        if HANDOFF == 2:
-            _named(_P_EMPTY_ID + b, True)
-        else:
-            mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
         p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
         fence_async_shared()
-        if HANDOFF == 2:
-            _named(_P_READY_ID + b, False)
-        else:
-            _arrive(p_ready.index(b), HANDOFF)
+        _arrive(p_ready.index(b), HANDOFF)
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
@@ -201,19 +180,13 @@ if gl is not None:
         # the stage's bytes (read here through registers) are visible after its k_ready phase
         mbarrier.wait(k_ready.index(t % K_STAGES), (t // K_STAGES) & 1)
         b = t % 2
-        if HANDOFF == 2:
-            _named(_P_READY_ID + b, True)
-        else:
-            mbarrier.wait(p_ready.index(b), (t // 2) & 1)
+        mbarrier.wait(p_ready.index(b), (t // 2) & 1)
         m_new = x_s.index(b).load(gl.SliceLayout(1, _S_LAYOUT))
         alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
         l_i = l_i * alpha
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        if HANDOFF == 2:
-            _named(_P_EMPTY_ID + b, False)
-        else:
-            _arrive(p_empty.index(b), HANDOFF)
+        _arrive(p_empty.index(b), HANDOFF)
         return m_new, l_i, acc
 
     @gluon.jit
@@ -224,11 +197,8 @@ if gl is not None:
         out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
-        if HANDOFF == 2:
-            _named(_L_ID, True)
-        else:
-            _arrive(l_ready.index(0), HANDOFF)
-            mbarrier.wait(l_ready.index(0), 0)
+        _arrive(l_ready.index(0), HANDOFF)
+        mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
         has = l_i > 0.0
@@ -265,8 +235,6 @@ if gl is not None:
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
-        if HANDOFF == 2:  # the other's P buffer starts free: one arrival ahead (taken back below, before the end)
-            _named(_P_EMPTY_ID + 1 - HALF, False)
         if HALF == 0:
             if num_tiles > 0:
                 s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
@@ -284,8 +252,6 @@ if gl is not None:
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
                                         p_empty, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
-        if HANDOFF == 2:  # the other's arrival after this consumer's last tile (or its first one, with no tiles)
-            _named(_P_EMPTY_ID + HALF, True)
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
                   num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, HANDOFF)
 
@@ -323,10 +289,10 @@ if gl is not None:
             mbarrier.init(k_ready.index(i), count=129)  # the gatherer's cp.async arrivals + its bias publish
             mbarrier.init(k_empty.index(i), count=2)  # both consumers, their P.V operands loaded
         for i in gl.static_range(2):
-            # (+ 128: each thread's own arrive, with HANDOFF 1; unused with 2)
-            mbarrier.init(p_ready.index(i), count=129 if HANDOFF == 1 else 1)  # the tile's owner
-            mbarrier.init(p_empty.index(i), count=129 if HANDOFF == 1 else 1)  # the other consumer, P.V retired
-        mbarrier.init(l_ready.index(0), count=258 if HANDOFF == 1 else 2)
+            # (+ 128: each thread's own arrive, with HANDOFF 1)
+            mbarrier.init(p_ready.index(i), count=129 if HANDOFF else 1)  # the tile's owner
+            mbarrier.init(p_empty.index(i), count=129 if HANDOFF else 1)  # the other consumer, P.V retired
+        mbarrier.init(l_ready.index(0), count=258 if HANDOFF else 2)
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         gfh._store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
@@ -368,8 +334,10 @@ class SeesawParams:
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
-    # the consumers' hand-offs (P and m_t, P freed, the row sums): 0 mbarriers, one thread's arrive; 1 the same plus
-    # each thread's own arrive (what racecheck follows; _arrive); 2 named barriers (bar.arrive / bar.sync; _named)
+    # the consumers' hand-offs (P and m_t, P freed, the row sums) through mbarriers: 0 one thread's arrive after the
+    # partition's bar.sync; 1 each thread's own arrive too, which racecheck follows (_arrive), 1.2-1.4% slower at
+    # 200-320 rows (H200). Named barriers (bar.arrive / bar.sync) were slower still and racecheck does not follow
+    # bar.arrive: measured and removed (NOTES v20, results/h200-2026-12-04/exchange/handoff2.patch).
     handoff: int = 0
     # Measured and removed (NOTES v16 / v17, H200, 320 rows): the non-owner issuing its next tile's Q.K before the
     # other's P (S's 32 registers held across P.V: 367-476 µs), and the next Q.K and softmax before the other's max
@@ -378,8 +346,8 @@ class SeesawParams:
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
-        if self.handoff not in (0, 1, 2):
-            raise ValueError(f"handoff must be 0, 1 or 2, got {self.handoff}")
+        if self.handoff not in (0, 1):
+            raise ValueError(f"handoff must be 0 or 1, got {self.handoff}")
         gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
