@@ -16,20 +16,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from conftest import GLUON_GPU
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
 from vllm_kimi_dsa.kernels import gluon_decode, gluon_seesaw, triton_decode
-from vllm_kimi_dsa.kernels.gluon_decode import (
-    GluonParams,
-    gluon_available,
-    gluon_config,
-    gluon_sparse_mla_decode,
-    gluon_unavailable_reason,
-)
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_config, gluon_sparse_mla_decode
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
 from test_triton_decode import _check as triton_check
 
-GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+GPU = GLUON_GPU
 # The two 64-head kernels (one contract, one config): the tests below that are not about a kernel's own params run
 # both; test_gluon_seesaw.py has the seesaw kernel's own cases
 DECODES = {"gluon": gluon_sparse_mla_decode, "seesaw": seesaw_sparse_mla_decode}

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import ROPE_DIMS
+from conftest import GLUON_GPU, ROPE_DIMS
 from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason
 from vllm_kimi_dsa.kernels.gluon_few_heads import (
     FewHeadsParams,
     few_heads_config,
@@ -36,7 +35,7 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import (
 )
 from vllm_kimi_dsa.reference import reference_decode
 
-GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+GPU = GLUON_GPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

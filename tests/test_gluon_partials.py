@@ -16,16 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ROPE_DIMS
+from conftest import GLUON_GPU, ROPE_DIMS
 from test_gluon_decode import _case, _poisoned
 from test_triton_decode import PARTIAL_ERR
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import (
-    gluon_available,
     gluon_config,
     gluon_sparse_mla_decode,
-    gluon_unavailable_reason,
 )
 from vllm_kimi_dsa.kernels.gluon_few_heads import (
     FewHeadsParams,
@@ -36,7 +34,7 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import (
 )
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 
-GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
+GPU = GLUON_GPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # (kernel, params, rows, heads, width, splits)
