@@ -681,10 +681,10 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
 
 
 def combine_warps(ws: Workspace) -> int:
-    """_combine_kernel's (and _stream_combine_kernel's) warps: as many as 16-byte loads cover one split's 512 dims (4 for fp32 partials, 2 for
-    fp16), so that each thread holds the same dims of every split and the sum down the splits stays in the
-    thread. With 4 warps on fp16 partials Triton put the splits across 2 warps (a shared-memory reduction):
-    3.6 -> 7.3 µs at 8 rows, 3.9 -> 14.9 at 20 (H = 128, NOTES v19)."""
+    """_combine_kernel's (and _stream_combine_kernel's) warps: as many as 16-byte loads cover one split's 512 dims
+    (4 for fp32 partials, 2 for fp16), so that each thread holds the same dims of every split and the sum down the
+    splits stays in the thread. With 4 warps on fp16 partials Triton put the splits across 2 warps (a shared-memory
+    reduction): 3.6 -> 7.3 µs at 8 rows, 3.9 -> 14.9 at 20 (H = 128, NOTES v19)."""
     return LATENT_DIM * ws.part_out.element_size() // (32 * 16)
 
 
