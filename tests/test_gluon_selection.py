@@ -98,37 +98,46 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
         {r for r, _ in k.plan_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())
 
 
-# The H200's tail-split times at K = 2048, µs at one / two CTAs an SM (NOTES v15; results/h200-2026-12-04/two-ctas)
+# The H200's tail-split times at K = 2048, µs at one / two CTAs an SM (reg_v_params() / reg_v_params(2)), fp16 split
+# partials, one run (NOTES v21; results/h200-2026-12-04/plan-sweep/fit_plan_cost.json, what TWO_CTA_TILE_COST is
+# fitted to). The v15 / v16 tables (fp32 partials, before the whole-sector stores) are in NOTES v15 / v16.
 MEASURED_REG_V_US = {
-    16: {5: (12.2, 14.4), 20: (18.9, 21.1), 23: (20.4, 22.5), 37: (26.1, 27.8), 48: (31.9, 31.7), 60: (33.0, 35.7),
-         80: (48.2, 42.4), 100: (49.3, 50.4), 160: (73.9, 79.0), 200: (97.5, 79.7), 264: (98.9, 87.5),
-         320: (131.6, 121.6),
-         # measured after TWO_CTA_TILE_COST was fitted (bench-held-out.json), predicted right
-         64: (34.2, 36.7), 120: (51.3, 54.7), 140: (66.7, 74.4), 240: (98.2, 82.5), 300: (125.2, 113.7)},
-    12: {64: (32.6, 34.4), 120: (51.0, 52.5), 140: (65.2, 71.0), 240: (97.7, 82.4), 300: (123.6, 111.1),
-         80: (46.5, 40.2), 160: (73.2, 75.1), 320: (130.8, 119.5)},
-    32: {23: (30.5, 26.7), 37: (44.4, 36.1), 48: (48.2, 46.1), 60: (48.9, 47.7), 80: (69.6, 68.8), 100: (92.3, 75.2),
-         160: (127.7, 106.0), 200: (154.2, 141.5), 264: (187.5, 145.1), 320: (232.1, 193.1)},
+    12: {1: (8.2, 8.0), 5: (11.2, 10.8), 8: (11.8, 11.9), 16: (15.3, 15.4), 20: (17.6, 16.9), 32: (20.2, 19.8),
+         40: (24.2, 24.0), 48: (30.1, 25.8), 64: (31.8, 29.9), 80: (44.8, 35.5), 100: (49.4, 44.1), 120: (51.3, 47.3),
+         140: (64.5, 62.7), 160: (72.1, 65.3), 200: (94.8, 75.3), 240: (98.2, 77.7), 264: (98.9, 82.8),
+         320: (129.3, 110.6)},
+    16: {1: (8.2, 8.1), 5: (11.2, 11.0), 8: (12.0, 12.1), 16: (15.5, 15.7), 20: (17.7, 17.2), 32: (20.6, 20.2),
+         40: (24.5, 24.0), 48: (30.3, 26.1), 64: (32.0, 30.6), 80: (45.1, 36.2), 100: (49.4, 44.7), 120: (51.1, 48.8),
+         140: (64.5, 64.0), 160: (72.2, 67.2), 200: (95.1, 75.4), 240: (98.4, 78.4), 264: (99.0, 82.9),
+         320: (129.9, 110.6)},
+    32: {1: (8.6, 8.4), 5: (12.3, 12.7), 8: (13.7, 13.6), 16: (18.6, 17.6), 20: (22.5, 21.5), 32: (29.6, 25.8),
+         40: (42.0, 32.3), 48: (48.3, 42.0), 64: (48.8, 43.2), 80: (67.1, 59.6), 100: (89.3, 72.7), 120: (95.6, 73.8),
+         140: (110.6, 88.7), 160: (125.7, 100.3), 200: (152.4, 131.7), 240: (183.7, 143.0), 264: (187.7, 142.9),
+         320: (232.5, 188.8)},
 }
+# A pick may be this much slower than the faster form: the spread of one run at 1-16 rows (0.1-0.2 µs of ~8-16 µs)
+PICK_SLACK = 0.03
 
 
-# The same with pv_early on the two-CTA form (NOTES v16; results/h200-2026-12-04/stream-k, one run, after the fit)
-MEASURED_REG_V_EARLY_US = {
-    16: {20: (19.1, 19.8), 40: (25.8, 27.1), 80: (48.1, 39.5), 120: (50.8, 51.6), 160: (73.5, 74.2), 200: (97.0, 74.8),
-         264: (98.7, 81.2), 320: (130.6, 113.6)},
-    32: {20: (24.1, 24.5), 40: (45.2, 35.2), 80: (69.2, 65.9), 120: (95.3, 73.4), 160: (127.6, 103.7),
-         200: (154.6, 137.4), 264: (187.6, 141.9), 320: (232.6, 190.1)},
-}
-
-
-@pytest.mark.parametrize("table,heads,rows", [(name, h, r) for name, t in (("v15", MEASURED_REG_V_US),
-                                                                          ("early", MEASURED_REG_V_EARLY_US))
-                                               for h, times in t.items() for r in times])
-def test_plan_cost_picks_the_measured_faster_reg_v_occupancy(table: str, heads: int, rows: int) -> None:
-    """plan_cost with TWO_CTA_TILE_COST picks the form (one or two CTAs an SM) the H200 ran faster."""
-    one, two = (MEASURED_REG_V_US if table == "v15" else MEASURED_REG_V_EARLY_US)[heads][rows]
+def _picked_us(heads: int, rows: int) -> tuple[float, float]:
+    """(µs of the form plan_cost picks, µs of the faster form) at a measured point."""
+    one, two = MEASURED_REG_V_US[heads][rows]
     costs = {c: plan_cost(rows, heads, 2048, reg_v_params(c).config(heads), 132) for c in (1, 2)}
-    assert min(costs, key=costs.get) == (2 if two < one else 1)
+    return (one, two)[min(costs, key=costs.get) - 1], min(one, two)
+
+
+@pytest.mark.parametrize("heads,rows", [(h, r) for h, times in MEASURED_REG_V_US.items() for r in times])
+def test_plan_cost_picks_the_measured_faster_reg_v_occupancy(heads: int, rows: int) -> None:
+    """plan_cost with TWO_CTA_TILE_COST picks the form (one or two CTAs an SM) the H200 ran faster, or one within
+    PICK_SLACK of it."""
+    picked, fastest = _picked_us(heads, rows)
+    assert picked <= fastest * (1 + PICK_SLACK), (picked, fastest)
+
+
+def test_plan_cost_loses_little_over_the_measured_points() -> None:
+    """Over all 54 points the picks cost at most 2 µs in all (1.0 with the fitted factors; v15's lost 39.7)."""
+    lost = sum(p - f for p, f in (_picked_us(h, r) for h, times in MEASURED_REG_V_US.items() for r in times))
+    assert lost <= 2.0, lost
 
 
 def test_few_heads_params_reject_bad_shapes() -> None:
@@ -198,7 +207,7 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
         whole, splits = k._plans[rows, width]
         assert (whole, splits) == triton_decode.choose_plan(rows, 128, width, gluon_config(), 132)
         assert isinstance(first, SeesawParams) == seesaw_takes(width, 1 if whole else splits, alone=not whole)
-        assert isinstance(first, SeesawParams) == (not whole or (width >= 1024))
+        assert isinstance(first, SeesawParams)  # widths 512 .. 2048: 8 .. 32 tiles, all >= SEESAW_MIN_TILES
         assert tail is first if not whole else isinstance(tail, SeesawParams) == seesaw_takes(width, splits)
         assert all(isinstance(p, (GluonParams, SeesawParams)) for p in (first, tail))
     kinds = {rows: tuple(type(p).__name__[0] for p in k.plan_params[rows, 2048]) for rows in (5, 20, 64, 80, 200, 320)}
@@ -207,10 +216,10 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
     assert kinds == {5: ("S", "S"), 20: ("S", "S"), 64: ("S", "S"), 80: ("S", "G"), 200: ("S", "G"),
                      320: ("S", "S")}, kinds
     assert k._plans[64, 1024] == (0, 1) and all(isinstance(p, SeesawParams) for p in k.plan_params[64, 1024])
-    # width 512 (8 tiles): only one-launch plans run on the seesaw kernel
+    # width 512 (8 tiles): whole rows on the seesaw kernel too, the split tail after them on the 64-head kernel
     for r in range(1, 321):
         whole = k._plans[r, 512][0]
-        assert isinstance(k.plan_params[r, 512][0], SeesawParams) == (not whole), r
+        assert isinstance(k.plan_params[r, 512][0], SeesawParams), r
         assert isinstance(k.plan_params[r, 512][1], SeesawParams) == (not whole), r
 
 

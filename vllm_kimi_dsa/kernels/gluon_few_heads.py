@@ -792,11 +792,14 @@ def nvfp4_params() -> FewHeadsParams:
 REG_V_MIN_ROWS = 1
 # A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
 # 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
-# to the H200's tail-split times at K = 2048 (NOTES v15): µs a model tile 2.4-3.2 against 1.5-2.0 at H = 16 (12 row
-# counts, 5..320), 2.2-2.4 against 1.4-1.5 at H = 32 (10 row counts, 23..320); with these the model picks the faster
-# form at all 22 (the misses of one factor for both, 1.6, cost up to 2.7 µs). Checked again with pv_early (NOTES
-# v16: 16 points at H = 16 / 32, 20..320 rows): still the faster form at all 16, so not refitted.
-TWO_CTA_TILE_COST = {1: 1.7, 2: 1.5}
+# (benchmarks/fit_plan_cost.py, SPLIT_TILES held) to the H200's tail-split times at K = 2048 with fp16 partials,
+# whole-sector stores and pv_early (results/h200-2026-12-04/plan-sweep, one run: both forms at 18 row counts, 1..320,
+# H = 12 / 16 / 32; NOTES v21): the model's picks lose 1.0 µs over the 54 points (39.7 with v15's {1: 1.7, 2: 1.5},
+# which chose one CTA at 40-160 rows where two now run up to 10% faster: H = 16 at 160 rows 67.2 against 72.2 µs);
+# fitted on every other row count it loses 1.5 µs on the rest (20.5 with v15's). A factor near 1 says two CTAs an SM
+# run a tile almost as fast as one: two CTAs from 5 rows (H = 12 / 16) or 9 rows (H = 32) up; below, the forms are
+# within 0.4 µs of each other.
+TWO_CTA_TILE_COST = {1: 1.15, 2: 1.3}
 # Versions on which the two-CTA form's pv_early order passed its GPU tests (H200; 3-5% faster at 80-320 rows than
 # the two-CTA form without it, NOTES v15; Triton 3.8: results/h200-2026-12-04/stream-k/tests_t38.log); elsewhere
 # reg_v_params(2) keeps the order reg_v was verified with

@@ -63,11 +63,14 @@ BLOCK_N = 64  # tokens a tile
 VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
 # TritonDecode (fp8, > 32 heads) runs a plan's launch on it when it is the plan's only launch, or unsplit with at least
 # this many tiles a CTA (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
-# seesaw-split and sector-stores, one run each) it wins on unsplit rows (16 tiles, width 1024, 64 rows: 40.1 vs 46.7
-# µs; 32 tiles: 71.7 vs 79.2); on split launches it is level alone (5 / 20 / 32 rows: 19.7 / 36.4 / 48.4 vs 19.5 /
-# 36.7 / 49.2) but loses as the tail after a whole-rows launch (16-tile splits at 96 / 160 rows: 134.7 / 206.3 vs
-# 125.9 / 196.5; not yet understood)
-SEESAW_MIN_TILES = 16
+# seesaw-split, sector-stores and seesaw-tail, one run each) it wins on unsplit rows (32 tiles, width 2048, 64 rows:
+# 71.7 vs 79.2 µs; 16 tiles, width 1024: 40.1 vs 46.7; 8 tiles, width 512, the whole rows of 140 / 200 / 280-row plans:
+# 70.0 / 89.9 / 117.9 vs 72.6 / 97.3 / 128.1, level at 72 / 80 rows: 43.8 / 47.5 vs 43.9 / 46.0); on split launches it
+# is level alone (5 / 20 / 32 rows: 19.7 / 36.4 / 48.4 vs 19.5 / 36.7 / 49.2) but loses as the tail after a
+# whole-rows launch (fp16 partials, width 2048, 72 / 80 / 96 / 140 / 160 / 200 / 280 rows: 101.5 / 113.5 / 129.3 /
+# 177.6 / 199.1 / 235.8 / 320.9 every launch here against 97.2 / 107.2 / 123.3 / 170.8 / 194.2 / 232.8 / 314.2; the
+# same at width 1024; not yet understood). Narrower rows (width 256 and less) are not measured.
+SEESAW_MIN_TILES = 8
 
 gl = gd.gl
 if gl is not None:
@@ -373,7 +376,7 @@ def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:
     one): width 2048 at 1 / 2 / 4 / 5 / 8 / 16 / 20 / 32 rows (split 32 .. 2 ways) 12.0 / 13.8 / 15.9 / 17.4 / 20.1 /
     28.2 / 34.2 / 45.3 -> 11.4 / 13.4 / 15.3 / 16.7 / 19.4 / 27.5 / 33.1 / 43.9; width 512 at 1 / 5 / 20 / 64 rows
     10.3 / 12.6 / 17.5 / 30.6 -> 9.6 / 12.1 / 17.1 / 24.9. The split tail after a whole-rows launch stays on the
-    64-head kernel (slower there: SEESAW_MIN_TILES above)."""
+    64-head kernel (slower here: SEESAW_MIN_TILES above)."""
     return alone or (splits == 1 and triton.cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES)
 
 

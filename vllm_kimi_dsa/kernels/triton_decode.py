@@ -47,7 +47,7 @@ class Config:
     # up to 18% faster at 80-320 rows (NOTES v11: both Gluon kernels and the `tl` configs, each in one run)
     tail_split: bool = True
     # a tile's time at this config's occupancy, in tiles of the same kernel run one CTA an SM: what plan_cost weighs a
-    # plan's model cost by to choose between one kernel's occupancies (two CTAs an SM each take ~1.7x as long a tile)
+    # plan's model cost by to choose between one kernel's occupancies (gluon_few_heads.TWO_CTA_TILE_COST)
     tile_cost: float = 1.0
 
 
