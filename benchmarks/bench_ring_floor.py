@@ -72,7 +72,7 @@ if gd.gl is not None:
         """One (split, row): the few-heads kernel's gather ring (and converter) with no consumer math."""
         split = gl.program_id(1)
         row = gl.program_id(2)
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
+        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, 0, K, _BN)  # even splits
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])

@@ -17,6 +17,7 @@ median over replays; the peer is planned outside the graph (its plan syncs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -27,7 +28,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -148,14 +149,30 @@ def scales(fmt: str) -> tuple[float, float]:
     return (SCALE * Q_SCALE * K_SCALE, K_SCALE) if fmt == "fp8" else (SCALE * Q_SCALE, 1.0)
 
 
-def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device) -> Callable[..., None]:
+@contextlib.contextmanager
+def even_plans() -> Iterator[None]:
+    """Kernel objects built inside plan without lead plans (triton_decode.choose_lead): the A/B of --even."""
+    from vllm_kimi_dsa.kernels import triton_decode as td
+
+    saved = td.LEAD_MIN_GAIN
+    td.LEAD_MIN_GAIN = 1.0  # a lead plan would have to cost nothing
+    td._plan_and_cost.cache_clear()
+    try:
+        yield
+    finally:
+        td.LEAD_MIN_GAIN = saved
+        td._plan_and_cost.cache_clear()
+
+
+def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True) -> Callable[..., None]:
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.kernels.triton_decode import TritonDecode
 
     sm, osc = scales(fmt)
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
                         return_lse=False, softmax_scale=sm, output_scale=osc)
-    kernel = TritonDecode(setup)
+    with contextlib.nullcontext() if lead else even_plans():
+        kernel = TritonDecode(setup)
 
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
         kernel(q, kv, slots, counts, out, None, block_size=BLOCK, rows_per_block_stride=BLOCK)
@@ -163,7 +180,8 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device) -> Call
     # which implementation each launch of this batch's plan runs: a Gluon kernel's params class, or the plain `tl`
     # kernel ("SeesawParams+GluonParams": whole rows on the seesaw kernel, the split rest on the 64-head kernel)
     picked = dict.fromkeys("tl" if p is None else type(p).__name__ for p in kernel.plan_params[rows, K])
-    call.impl = "+".join(picked)  # type: ignore[attr-defined]
+    lead_tiles = kernel.plan_leads[rows, K]
+    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "")  # type: ignore[attr-defined]
     return call
 
 
@@ -349,11 +367,11 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
             slots, counts = inp["slots"], inp["counts"]
             for kind in kinds:
                 what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
-                if kind.startswith("triton/"):
+                if kind.startswith(("triton/", "triton-even/")):
                     fmt = kind.split("/", 1)[1]
 
-                    def run_triton(fmt: str = fmt) -> dict[str, Any]:
-                        call = triton_kernel(fmt, heads, rows, dev)
+                    def run_triton(fmt: str = fmt, lead: bool = kind.startswith("triton/")) -> dict[str, Any]:
+                        call = triton_kernel(fmt, heads, rows, dev, lead)
                         calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, s), slots, counts, inp["outs"][s])
                                  for s in range(sets)]
                         us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
@@ -405,9 +423,9 @@ def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...
 
             def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
                 family, fmt = kind.split("/", 1)
-                if family == "triton":
-                    triton_kernel(fmt, heads, rows, dev)(inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"],
-                                                        out)
+                if family in ("triton", "triton-even"):
+                    triton_kernel(fmt, heads, rows, dev, family == "triton")(inp["q8"], data.window(fmt, 0),
+                                                                            inp["slots"], inp["counts"], out)
                     ref = refs[fmt]
                 elif family == "torch":
                     torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], inp["counts"], out)
@@ -567,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help="override the batch sizes, comma-separated")
     ap.add_argument("--heads", default=None, help="override the head counts, comma-separated")
     ap.add_argument("--reps-time", type=float, default=None, help="seconds of graph replays per point")
+    ap.add_argument("--even", action="store_true",
+                    help="also triton-even/fp8: the same kernel objects planned without lead plans (an A/B)")
     args = ap.parse_args(argv)
     if args.reps_time is None:
         args.reps_time = 0.03 if args.quick else 0.06
@@ -623,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
     suite.dump()
 
-    ours = ["triton/fp8", "triton/nvfp4_ds_mla"]
+    ours = ["triton/fp8", "triton/nvfp4_ds_mla"] + (["triton-even/fp8"] if args.even else [])
     decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
     if not args.quick:
         torch_section(suite, data, ceil, TORCH_SIZES)

@@ -76,7 +76,7 @@ def summarize(kernel) -> dict[str, object]:
 
 SIGNATURE = dict(
     q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
-    part_out_ptr="*fp16", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32",  # fp16: td.PARTIAL_DTYPE
+    part_out_ptr="*fp16", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32", lead_tiles="i32",  # fp16: td.PARTIAL_DTYPE
     stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )

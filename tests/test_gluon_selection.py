@@ -92,7 +92,8 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
     for p in k.gluon_large:
         assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
-                                                                   tile_cost=p.config(heads).tile_cost)
+                                                                   tile_cost=p.config(heads).tile_cost,
+                                                                   lead_split=True)
     assert all(first is tail for first, tail in k.plan_params.values())
     assert {r for (r, _), (p, _) in k.plan_params.items() if getattr(p, "reg_v", False)} == (
         {r for r, _ in k.plan_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())

@@ -560,21 +560,43 @@ if gl is not None:
         return q_lat_s, q_rope_s, k_lat_s, k_rope_s
 
     @gluon.jit
-    def _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N: gl.constexpr):
-        """(start, end, tiles) of this split's token range, as triton_decode._split_range."""
+    def _split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: gl.constexpr):
+        """(start, end, tiles) of this split's token range, as triton_decode._split_range (lead_tiles > 0: the first
+        piece takes that many tiles, the other num_splits - 1 the rest evenly)."""
         count = gl.load(counts_ptr + row)
         count = gl.minimum(gl.maximum(count, 0), K)
         tiles = gl.cdiv(count, BLOCK_N)
-        per = gl.cdiv(tiles, num_splits)
-        start = split * per * BLOCK_N
-        end = gl.minimum(start + per * BLOCK_N, count)
+        if lead_tiles > 0:
+            first = gl.minimum(tiles, lead_tiles)
+            per = gl.cdiv(tiles - first, gl.maximum(num_splits - 1, 1))
+            t0 = gl.where(split == 0, 0, first + (split - 1) * per)
+            t1 = gl.where(split == 0, first, t0 + per)
+        else:
+            per = gl.cdiv(tiles, num_splits)
+            t0 = split * per
+            t1 = t0 + per
+        start = t0 * BLOCK_N
+        end = gl.minimum(t1 * BLOCK_N, count)
         return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
 
     @gluon.jit
+    def _row_split(num_splits, lead_tiles):
+        """(row, split) of this CTA on grid (head blocks, splits, rows), as triton_decode._row_split: split-major
+        when lead_tiles > 0, so every row's first (long) piece is dispatched before any short one."""
+        split = gl.program_id(1)
+        row = gl.program_id(2)
+        if lead_tiles > 0:
+            lin = split + row * num_splits
+            rows = gl.num_programs(2)
+            split = lin // rows
+            row = lin % rows
+        return row, split
+
+    @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def gluon_decode_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        H, K, num_splits,
+        H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
@@ -588,10 +610,9 @@ if gl is not None:
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
-        split = gl.program_id(1)
-        row = gl.program_id(2)
+        row, split = _row_split(num_splits, lead_tiles)
 
-        start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, K, BLOCK_N)
+        start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
 
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(_BH, BLOCK_N, K_STAGES)
@@ -711,7 +732,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
     Its tail-split plans (td.Config.tail_split): H200, H = 128, 115.6 vs 140.3 µs at 80 rows, 211.5 vs 232.4 at 160
     (NOTES v11)."""
     return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1,
-                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N)
+                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N, lead_split=True)
 
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
@@ -722,14 +743,16 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
 
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
                   output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any],
-                  options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None) -> Any:
+                  options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None,
+                  lead_tiles: int = 0) -> Any:
     """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
     checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments (extra_args:
-    a kernel's own, by name); options are compile options (maxnreg) beside num_warps."""
+    a kernel's own, by name; lead_tiles: triton_decode.choose_lead's); options are compile options (maxnreg) beside
+    num_warps."""
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
     compiled = call_kernel(kernel, (head_blocks, splits, rows), query, kv_rows, slots, counts, out, lse_t,
-                           softmax_scale, output_scale, ws, splits, constexprs, options, extra_args)
+                           softmax_scale, output_scale, ws, splits, constexprs, options, extra_args, lead_tiles)
     td.combine(ws, out, lse_t, splits, output_scale)
     return compiled
 
@@ -737,13 +760,13 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
 def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, counts, out, lse_t,
                 softmax_scale: float, output_scale: float, ws: td.Workspace, splits: int,
                 constexprs: dict[str, Any], options: dict[str, Any] | None = None,
-                extra_args: dict[str, Any] | None = None) -> Any:
+                extra_args: dict[str, Any] | None = None, lead_tiles: int = 0) -> Any:
     """One launch of a Gluon decode kernel with triton_decode._decode_kernel's runtime arguments (lse_t: the LSE
     buffer to write, never None), no combine."""
     return kernel[grid](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        query.shape[1], slots.shape[1], splits,
+        query.shape[1], slots.shape[1], splits, lead_tiles if splits > 1 else 0,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
@@ -755,10 +778,11 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: GluonParams) -> Any:
+           ws: td.Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
     """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
     return launch_kernel(gluon_decode_kernel, triton.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
-                         out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params))
+                         out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
+                         lead_tiles=lead_tiles)
 
 
 def gluon_sparse_mla_decode(
@@ -780,6 +804,7 @@ def gluon_sparse_mla_decode(
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
     x_sync: int = 2,
+    lead_tiles: int = 0,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -790,9 +815,10 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. x_sync: GluonParams' fields.
+    block_n .. x_sync: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
+    td.check_lead(lead_tiles)
     reason = gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
@@ -806,4 +832,5 @@ def gluon_sparse_mla_decode(
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
     workspace, splits = td.one_off_scratch(query, slots, "fp8", cfg, workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
+                  lead_tiles)

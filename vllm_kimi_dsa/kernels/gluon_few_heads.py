@@ -588,11 +588,11 @@ if gd.gl is not None:
             [PRODUCER_REGS],
         )
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def few_heads_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        H, K, num_splits,
+        H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
@@ -612,8 +612,7 @@ if gd.gl is not None:
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH; STREAM: one (head
         block, CTA) over units TPC x CTA .. (_stream_body)."""
-        split = gl.program_id(1)
-        row = gl.program_id(2)
+        row, split = gd._row_split(num_splits, lead_tiles)
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:
@@ -625,7 +624,7 @@ if gd.gl is not None:
                          BH, K_STAGES, PRODUCER_REGS, PV_IN_FLIGHT, PV_EARLY)
             return
 
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
+        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
         if NVFP4:
             _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                row, split, h0, start, end, num_tiles, H, num_splits,
@@ -768,11 +767,12 @@ class FewHeadsParams:
 
     def config(self, heads: int = BLOCK_H) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
-        CTAs an SM the tile cost of this head count's blocks)."""
+        CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed, as measured
+        there, NOTES v21)."""
+        cfg = dataclasses.replace(few_heads_config(), lead_split=self.reg_v)
         if self.ctas_per_sm == 1:
-            return few_heads_config()
-        return dataclasses.replace(few_heads_config(), ctas_per_sm=2,
-                                   tile_cost=TWO_CTA_TILE_COST[min(-(-heads // BLOCK_H), 2)])
+            return cfg
+        return dataclasses.replace(cfg, ctas_per_sm=2, tile_cost=TWO_CTA_TILE_COST[min(-(-heads // BLOCK_H), 2)])
 
     def launch_options(self) -> dict[str, Any]:
         """Compile options beside the constexprs: two CTAs an SM get half the register file each (reg_v: 8 warps)."""
@@ -844,7 +844,7 @@ def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: FewHeadsParams) -> Any:
+           ws: td.Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0) -> Any:
     """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
     no sync."""
     heads = query.shape[1]
@@ -852,7 +852,7 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
         raise ValueError("params.stream runs through launch_stream")
     return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
-                            params.launch_options(), {"U": 0, "TPC": 0})
+                            params.launch_options(), {"U": 0, "TPC": 0}, lead_tiles)
 
 
 def stream_ctas(heads: int, params: FewHeadsParams, sms: int) -> int:
@@ -900,14 +900,16 @@ def few_heads_sparse_mla_decode(
     workspace: td.Workspace | None = None,
     splits: int | None = None,
     params: FewHeadsParams | None = None,
+    lead_tiles: int = 0,
 ) -> Any:
     """Sparse MLA decode for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
     nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
     query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above 16, 16-head blocks).
-    Other arguments as triton_decode.sparse_mla_decode; workspace from make_workspace(config=params.config()).
-    Returns the compiled kernel handle.
+    Other arguments (lead_tiles too) as triton_decode.sparse_mla_decode; workspace from
+    make_workspace(config=params.config()). Returns the compiled kernel handle.
     """
+    td.check_lead(lead_tiles)
     reason = gd.gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
@@ -921,4 +923,5 @@ def few_heads_sparse_mla_decode(
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
     workspace, splits = td.one_off_scratch(query, slots, fmt, cfg, workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
+                  lead_tiles)

@@ -258,11 +258,11 @@ if gl is not None:
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
                   num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, HANDOFF)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def seesaw_decode_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        H, K, num_splits,
+        H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
@@ -274,9 +274,8 @@ if gl is not None:
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
-        split = gl.program_id(1)
-        row = gl.program_id(2)
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, K, _BN)
+        row, split = gd._row_split(num_splits, lead_tiles)
+        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
 
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
         p_s = gl.allocate_shared_memory(gl.float16, [2, _BH, _BN], _P_LAYOUT)
@@ -386,18 +385,21 @@ def seesaw_verified() -> bool:
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: SeesawParams) -> Any:
+           ws: td.Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0) -> Any:
     """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
     return gd.launch_kernel(seesaw_decode_kernel, triton.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
-                            counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params))
+                            counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
+                            lead_tiles=lead_tiles)
 
 
 def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: float, output_scale: float, out, lse=None,
                              workspace: td.Workspace | None = None, splits: int | None = None,
-                             params: SeesawParams | None = None) -> Any:
+                             params: SeesawParams | None = None, lead_tiles: int = 0) -> Any:
     """Sparse MLA decode of an fp8 cache with the seesaw kernel: gluon_decode.gluon_sparse_mla_decode's contract
     (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
-    from triton_decode.make_workspace with params.config(); None allocates one: tests only)."""
+    from triton_decode.make_workspace with params.config(); None allocates one: tests only; lead_tiles as
+    triton_decode.sparse_mla_decode's)."""
+    td.check_lead(lead_tiles)
     reason = gd.gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the seesaw Gluon decode kernel cannot run here: {reason}")
@@ -409,4 +411,5 @@ def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: fl
     if rows == 0:
         return None
     workspace, splits = td.one_off_scratch(query, slots, "fp8", params.config(), workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params)
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
+                  lead_tiles)

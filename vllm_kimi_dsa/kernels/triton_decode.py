@@ -8,6 +8,7 @@ kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -49,6 +50,10 @@ class Config:
     # a tile's time at this config's occupancy, in tiles of the same kernel run one CTA an SM: what plan_cost weighs a
     # plan's model cost by to choose between one kernel's occupancies (gluon_few_heads.TWO_CTA_TILE_COST)
     tile_cost: float = 1.0
+    # one-launch plans may split each row unevenly (choose_lead): the first piece of every row lead tiles, dispatched
+    # first, the rest in smaller pieces on the SMs the first pieces leave idle. For the Gluon kernels, where it was
+    # measured (NOTES v21); this file's kernel computes it too (its tests) but its configs keep it off.
+    lead_split: bool = False
 
 
 def default_config(heads: int, fmt: CacheFormat) -> Config:
@@ -100,10 +105,80 @@ def _best_splits(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per
     return best, best_cost
 
 
+# A lead plan is taken only when the model costs it this much below the best even plan: on the H200 the model
+# overstated its gains at few heads (H = 16, two CTAs an SM: 8-12% modelled, 4.5-6% measured at 140-180 rows; at 200
+# rows 4% modelled, 3% slower measured) and understated them at 128 heads (NOTES v21)
+LEAD_MIN_GAIN = 0.05
+
+
+def _lead_makespan(busy: int, free: int, big: float, small: float, pieces: int) -> float:
+    """Greedy dispatch of a split-major grid: `busy` slots run a first piece of cost `big` from t = 0, `free` slots
+    are idle; `pieces` later pieces of cost `small` each start on the earliest-free slot. The pieces' start times are
+    the `pieces` smallest of {k small (free times each), big + j small (busy times each)}; returns when the last
+    piece (or first piece) ends."""
+    if pieces == 0:
+        return big
+
+    def starts_by(t: float) -> int:  # pieces that can have started by time t
+        n = free * (math.floor(t / small + 1e-9) + 1) if free else 0
+        if t >= big - 1e-9:
+            n += busy * (math.floor((t - big) / small + 1e-9) + 1)
+        return n
+    # the pieces-th start is one of the two series' values: search each series for its first value that covers
+    candidates = []
+    if free:
+        lo, hi = 0, pieces  # k: start k small
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if starts_by(mid * small) >= pieces:
+                hi = mid
+            else:
+                lo = mid + 1
+        candidates.append(lo * small)
+    lo, hi = 0, pieces
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if starts_by(big + mid * small) >= pieces:
+            hi = mid
+        else:
+            lo = mid + 1
+    candidates.append(big + lo * small)
+    return max(big, min(candidates) + small)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _best_lead(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per_wave: int) -> tuple[int, int, float]:
+    """(splits, lead, cost in tiles' worth) of the best uneven one-launch plan (lead 0: none). Only a batch whose
+    first pieces leave slots idle (rows x head blocks < slots) gains: those slots take the rows' other pieces."""
+    units = rows * head_blocks
+    best = (1, 0, float("inf"))
+    if not cfg.lead_split or units >= slots_per_wave or tiles < 2:
+        return best
+    piece_cost = _OVERHEAD + cfg.split_tiles  # every piece of a split row writes a partial
+    for splits in range(2, min(tiles, 8) + 1):
+        for lead in range(1, tiles - splits + 2):
+            rest = tiles - lead
+            used = triton.cdiv(rest, triton.cdiv(rest, splits - 1))  # pieces after the first that get work
+            per = triton.cdiv(rest, used)  # as the kernels split the rest over used pieces
+            cost = _lead_makespan(units, slots_per_wave - units, lead + piece_cost, per + piece_cost,
+                                  units * used) + 0.5
+            if cost < best[2] - 1e-9:
+                best = (used + 1, lead, cost)
+    return best
+
+
 def choose_splits(rows: int, heads: int, width: int, cfg: Config, sms: int) -> int:
     """KV splits per row: minimize (waves x tiles a split + fixed cost) over the chip's slots."""
     tiles = max(1, triton.cdiv(width, cfg.block_n))
     return _best_splits(rows, triton.cdiv(heads, cfg.block_h), tiles, cfg, sms * cfg.ctas_per_sm)[0]
+
+
+def choose_lead(rows: int, heads: int, width: int, cfg: Config, sms: int) -> int:
+    """Tiles of each row's first piece in choose_plan's plan (0: its splits are even). Non-zero only for a one-launch
+    plan of a cfg.lead_split config whose uneven form the model costs LEAD_MIN_GAIN below every even plan: e.g. H =
+    128 at 40 rows, 64-token tiles of width 2048: 23 tiles, then 9 (80 first pieces on 132 SMs; the other 52 run the
+    9-tile pieces in two rounds meanwhile) instead of every row split 3 ways (240 CTAs: two waves)."""
+    return _plan_and_cost(rows, heads, width, cfg, sms)[2]
 
 
 def choose_plan(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[int, int]:
@@ -122,10 +197,20 @@ def plan_cost(rows: int, heads: int, width: int, cfg: Config, sms: int) -> float
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan_and_cost(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[tuple[int, int], float]:
+def _plan_and_cost(rows: int, heads: int, width: int, cfg: Config, sms: int) -> tuple[tuple[int, int], float, int]:
+    """(plan, its model cost, its lead): choose_plan's, plan_cost's (before tile_cost) and choose_lead's answers."""
     head_blocks = triton.cdiv(heads, cfg.block_h)
     tiles = max(1, triton.cdiv(width, cfg.block_n))
     slots_per_wave = sms * cfg.ctas_per_sm
+    plan, cost = _even_plan_and_cost(rows, head_blocks, tiles, cfg, slots_per_wave)
+    lead_splits, lead, lead_cost = _best_lead(rows, head_blocks, tiles, cfg, slots_per_wave)
+    if lead and lead_cost <= cost * (1 - LEAD_MIN_GAIN):
+        return (0, lead_splits), lead_cost, lead
+    return plan, cost, 0
+
+
+def _even_plan_and_cost(rows: int, head_blocks: int, tiles: int, cfg: Config,
+                        slots_per_wave: int) -> tuple[tuple[int, int], float]:
     splits, best_cost = _best_splits(rows, head_blocks, tiles, cfg, slots_per_wave)
     best = (0, splits)
     if not cfg.tail_split:
@@ -191,13 +276,37 @@ def _epilogue(
 
 
 @triton.jit
-def _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N: tl.constexpr):
+def _row_split(num_splits, lead_tiles):
+    """(row, split) of this program on grid (head blocks, splits, rows). With lead_tiles > 0 the grid is read
+    split-major, so that every row's first (long) piece is dispatched before any of the short ones."""
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    if lead_tiles > 0:
+        lin = split + row * num_splits
+        rows = tl.num_programs(2)
+        split = lin // rows
+        row = lin % rows
+    return row, split
+
+
+@triton.jit
+def _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: tl.constexpr):
+    """[start, end) tokens of this split of the row: `num_splits` even pieces of its tiles, or with lead_tiles > 0
+    the first `lead_tiles` tiles, then the rest in num_splits - 1 even pieces (choose_lead)."""
     count = tl.load(counts_ptr + row)
     count = tl.minimum(tl.maximum(count, 0), K)
     tiles = tl.cdiv(count, BLOCK_N)
-    per = tl.cdiv(tiles, num_splits)
-    start = split * per * BLOCK_N
-    end = tl.minimum(start + per * BLOCK_N, count)
+    if lead_tiles > 0:
+        first = tl.minimum(tiles, lead_tiles)
+        per = tl.cdiv(tiles - first, tl.maximum(num_splits - 1, 1))
+        t0 = tl.where(split == 0, 0, first + (split - 1) * per)
+        t1 = tl.where(split == 0, first, t0 + per)
+    else:
+        per = tl.cdiv(tiles, num_splits)
+        t0 = split * per
+        t1 = t0 + per
+    start = t0 * BLOCK_N
+    end = tl.minimum(t1 * BLOCK_N, count)
     return start, end
 
 
@@ -408,11 +517,11 @@ def _head_major(acc, SWAP: tl.constexpr):
         return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
 def _decode_kernel(
     q_ptr, kv_ptr, slots_ptr, counts_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-    H, K, num_splits,
+    H, K, num_splits, lead_tiles,
     stride_q_row, stride_q_head, stride_kv, stride_s_row,
     stride_o_row, stride_o_head, stride_lse_row,
     qk_scale, out_scale,
@@ -433,15 +542,14 @@ def _decode_kernel(
     falls back to mma.sync.
     """
     hb = tl.program_id(0)
-    split = tl.program_id(1)
-    row = tl.program_id(2)
+    row, split = _row_split(num_splits, lead_tiles)
     D: tl.constexpr = 512
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
     q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
-    start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
+    start, end = _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
     s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -700,13 +808,14 @@ def stream_combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tiles:
     )
 
 
-def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config, splits: int):
+def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config,
+            splits: int, lead_tiles: int = 0):
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = scratch(ws, rows, heads, splits, lse)
     compiled = _decode_kernel[(triton.cdiv(heads, cfg.block_h), splits, rows)](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        heads, slots.shape[1], splits,
+        heads, slots.shape[1], splits, lead_tiles if splits > 1 else 0,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
@@ -734,6 +843,13 @@ def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: 
     return workspace, splits
 
 
+def check_lead(lead_tiles: int) -> int:
+    """A one-off call's lead_tiles (choose_lead's form: 0 for even splits), checked."""
+    if isinstance(lead_tiles, bool) or not isinstance(lead_tiles, int) or lead_tiles < 0:
+        raise ValueError(f"lead_tiles must be an int >= 0 (0: even splits), got {lead_tiles!r}")
+    return lead_tiles
+
+
 def sparse_mla_decode(
     query: torch.Tensor,
     kv_rows: torch.Tensor,
@@ -748,6 +864,7 @@ def sparse_mla_decode(
     workspace: Workspace | None = None,
     config: Config | None = None,
     splits: int | None = None,
+    lead_tiles: int = 0,
 ) -> object:
     """Sparse MLA decode over flat rows into `out` (and `lse`), as reference_decode defines it.
 
@@ -758,16 +875,20 @@ def sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: from make_workspace (None allocates one: tests and benchmarks only).
     config / splits: override the fixed table and the split heuristic (benchmarks).
+    lead_tiles: with splits > 1, the first piece of each row takes this many tiles, the rest share the others
+    (choose_lead's plans); 0: even splits.
     Count 0 -> out 0, lse -inf. Returns the main kernel's compiled handle (registers, asm).
     """
     fmt = normalize_format(fmt)
+    check_lead(lead_tiles)
     _check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
     cfg = config or default_config(heads, fmt)
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
     workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
-    return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
+    return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits,
+                   lead_tiles)
 
 
 class TritonDecode:
@@ -829,26 +950,34 @@ class TritonDecode:
         # whose plan the model costs least, for both launches. > 32 heads: a one-launch plan, and the whole rows'
         # launch of a two-launch plan when its rows have enough tiles, on the seesaw kernel
         # (gluon_seesaw.seesaw_takes); a split tail after whole rows on the small params.
-        small = (self._launch_tl if self.gluon is None else self._gluon_call(self.gluon), self.gluon)
-        large_launches = [self._gluon_call(p, large_launch) for p in self.gluon_large]
+        # (params, kernel module launch): None params = this file's kernel; a one-launch plan's lead (choose_lead,
+        # where its config allows one) is bound into its launch too. plan_leads[rows, width]: that lead, 0 if none.
+        small = (self.gluon, None)
+        large = [(p, large_launch) for p in self.gluon_large]
         large_configs = [p.config(setup.heads) for p in self.gluon_large]
-        seesaw = (large_launches[0], self.gluon_large[0]) if seesaw_takes is not None and self.gluon_large else None
+        seesaw = large[0] if seesaw_takes is not None and large else None
         self._launches: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.plan_params: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.plan_leads: dict[tuple[int, int], int] = {}
+        bound: dict[tuple[int, Any, int], Any] = {}  # one launch callable per (params, module, lead)
         for (rows, width), (whole, splits) in self._plans.items():
             first = tail = small
+            plan_config = self.config
             if few and rows >= large_from and self.gluon_large:
                 costs = [plan_cost(rows, setup.heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
-                self._plans[rows, width] = choose_plan(rows, setup.heads, width, large_configs[best], sms)
-                first = tail = (large_launches[best], self.gluon_large[best])
+                plan_config = large_configs[best]
+                self._plans[rows, width] = choose_plan(rows, setup.heads, width, plan_config, sms)
+                first = tail = large[best]
             elif seesaw is not None:
                 first = seesaw if seesaw_takes(width, 1 if whole else splits, alone=not whole) else small
                 tail = seesaw if seesaw_takes(width, splits) else small
                 if not whole:  # no second launch: bound as the first, for the record (plan_params)
                     tail = first
-            self._launches[rows, width] = (first[0], tail[0])
-            self.plan_params[rows, width] = (first[1], tail[1])
+            lead = choose_lead(rows, setup.heads, width, plan_config, sms) if self.gluon is not None else 0
+            self._launches[rows, width] = (self._bound(bound, first, lead), self._bound(bound, tail, 0))
+            self.plan_params[rows, width] = (first[0], tail[0])
+            self.plan_leads[rows, width] = lead
         self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
                                         fmt=self.fmt, config=self.config, plans=self._plans)
 
@@ -882,16 +1011,24 @@ class TritonDecode:
         _launch(query, kv_rows, slots, counts, out, lse, self.fmt,
                 self.setup.softmax_scale, self.setup.output_scale, self.workspace, self.config, splits)
 
-    def _gluon_call(self, params: Any, module_launch: Any = None) -> Any:
+    def _bound(self, cache: dict[tuple[int, Any, int], Any], kernel: tuple[Any, Any], lead_tiles: int) -> Any:
+        """The launch run_plan calls for (params, module launch) with this lead, made once per distinct triple."""
+        params, module_launch = kernel
+        key = (id(params), module_launch, lead_tiles)
+        if key not in cache:
+            cache[key] = self._launch_tl if params is None else self._gluon_call(params, module_launch, lead_tiles)
+        return cache[key]
+
+    def _gluon_call(self, params: Any, module_launch: Any = None, lead_tiles: int = 0) -> Any:
         """The Gluon kernel's launch with these params (module_launch: another kernel module's launch, e.g. the
-        seesaw kernel's; default: the one chosen for this head count), as run_plan calls it."""
+        seesaw kernel's; default: the one chosen for this head count) and lead (choose_lead), as run_plan calls it."""
         kernel_launch = module_launch or self._gluon_launch
 
         def launch(query, kv_rows, slots, counts, out, lse, splits: int) -> None:
             kernel_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
-                          self.setup.output_scale, self.workspace, splits, params)
+                          self.setup.output_scale, self.workspace, splits, params, lead_tiles)
         return launch
 
 
-__all__ = ["Config", "TritonDecode", "Workspace", "choose_plan", "choose_splits", "default_config", "make_workspace",
+__all__ = ["Config", "TritonDecode", "Workspace", "choose_lead", "choose_plan", "choose_splits", "default_config", "make_workspace",
            "run_plan", "sparse_mla_decode"]
