@@ -154,13 +154,13 @@ def even_plans() -> Iterator[None]:
     """Kernel objects built inside plan without lead plans (triton_decode.choose_lead): the A/B of --even."""
     from vllm_kimi_dsa.kernels import triton_decode as td
 
-    saved = td.LEAD_MIN_GAIN
-    td.LEAD_MIN_GAIN = 1.0  # a lead plan would have to cost nothing
+    saved = td._best_lead
+    td._best_lead = lambda *args: (1, 0, float("inf"))  # no uneven plan anywhere
     td._plan_and_cost.cache_clear()
     try:
         yield
     finally:
-        td.LEAD_MIN_GAIN = saved
+        td._best_lead = saved
         td._plan_and_cost.cache_clear()
 
 

@@ -732,7 +732,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
     Its tail-split plans (td.Config.tail_split): H200, H = 128, 115.6 vs 140.3 µs at 80 rows, 211.5 vs 232.4 at 160
     (NOTES v11)."""
     return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1,
-                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N, lead_split=True)
+                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N, lead_split=True, lead_min_gain=0.0)
 
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
