@@ -31,7 +31,8 @@ Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BL
 - Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
 
 The producer is built from helpers (`_load_slots`, `_gather_tile`, `_convert_tile`) that gluon_few_heads.py's
-kernel also runs as two warpgroups (`_gatherer`, `_converter`); `_split_tiles` and `launch_kernel` serve both.
+kernel also runs as two warpgroups (`_gatherer`, `_converter`); `_row_split`, `_split_tiles` (even pieces, or a
+lead plan's first piece of lead_tiles tiles on a split-major grid) and `launch_kernel` serve all three Gluon kernels.
 
 Written against Gluon's 3.6 API (`gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)`); 3.8 compiles and runs
 it too. The module imports on any machine (CPU, no Gluon) without error.

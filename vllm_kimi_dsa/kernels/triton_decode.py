@@ -1,8 +1,10 @@
 """The project's own Triton sparse MLA decode for Hopper ("triton"): FP8 and nvfp4_ds_mla caches, any head count.
 
-Split-KV main kernel plus an LSE-weighted combine; configs fixed per (heads, format) from H200 sweeps; scratch
-made at construction. Many heads: 64-head tiles (fp8 Q.K on wgmma, fp16 P.V). Few heads, fp8: the transposed
-kernel (tokens on the MMA's M, heads on N). nvfp4 rows are dequantized to exact fp16 in the kernel.
+Split-KV main kernel plus an LSE-weighted combine; configs fixed per (heads, format) from H200 sweeps; plans
+(choose_plan, choose_lead) and scratch made at construction. A split launch cuts each row into even pieces, or (a
+lead plan) into a first piece of lead_tiles tiles, dispatched first, and even pieces of the rest. Many heads:
+64-head tiles (fp8 Q.K on wgmma, fp16 P.V). Few heads, fp8: the transposed kernel (tokens on the MMA's M, heads on
+N). nvfp4 rows are dequantized to exact fp16 in the kernel.
 """
 
 from __future__ import annotations
