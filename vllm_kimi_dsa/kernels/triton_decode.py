@@ -281,12 +281,12 @@ def _epilogue(
 
 
 @triton.jit
-def _row_split(num_splits, lead_tiles):
-    """(row, split) of this program on grid (head blocks, splits, rows). With lead_tiles > 0 the grid is read
+def _row_split(num_splits, lead_tiles, LEAD: tl.constexpr):
+    """(row, split) of this program on grid (head blocks, splits, rows). With LEAD (lead_tiles > 0) the grid is read
     split-major, so that every row's first (long) piece is dispatched before any of the short ones."""
     split = tl.program_id(1)
     row = tl.program_id(2)
-    if lead_tiles > 0:
+    if LEAD:
         lin = split + row * num_splits
         rows = tl.num_programs(2)
         split = lin // rows
@@ -295,13 +295,13 @@ def _row_split(num_splits, lead_tiles):
 
 
 @triton.jit
-def _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: tl.constexpr):
-    """[start, end) tokens of this split of the row: `num_splits` even pieces of its tiles, or with lead_tiles > 0
-    the first `lead_tiles` tiles, then the rest in num_splits - 1 even pieces (choose_lead)."""
+def _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: tl.constexpr, LEAD: tl.constexpr):
+    """[start, end) tokens of this split of the row: `num_splits` even pieces of its tiles, or with LEAD the first
+    `lead_tiles` tiles, then the rest in num_splits - 1 even pieces (choose_lead)."""
     count = tl.load(counts_ptr + row)
     count = tl.minimum(tl.maximum(count, 0), K)
     tiles = tl.cdiv(count, BLOCK_N)
-    if lead_tiles > 0:
+    if LEAD:
         first = tl.minimum(tiles, lead_tiles)
         per = tl.cdiv(tiles - first, tl.maximum(num_splits - 1, 1))
         t0 = tl.where(split == 0, 0, first + (split - 1) * per)
@@ -522,7 +522,7 @@ def _head_major(acc, SWAP: tl.constexpr):
         return acc
 
 
-@triton.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
+@triton.jit(do_not_specialize=["lead_tiles"])  # one compile for every lead (LEAD: one for lead plans at all)
 def _decode_kernel(
     q_ptr, kv_ptr, slots_ptr, counts_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -539,6 +539,9 @@ def _decode_kernel(
     LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
     SWAP: tl.constexpr,  # transposed dots: S^T = K Q^T, O^T = V^T P^T
     PTX: tl.constexpr,  # inline PTX where it helps (a GPU); False: the pure-Triton twin (the interpreter)
+    # a lead plan's launch (lead_tiles > 0, choose_lead): a compile of its own, so that even splits -- every plan of
+    # this kernel's configs -- keep the code (and registers) they had without it
+    LEAD: tl.constexpr = False,
 ):
     """One (head block, KV split, row): online softmax over the split's tiles of gathered rows.
 
@@ -547,14 +550,14 @@ def _decode_kernel(
     falls back to mma.sync.
     """
     hb = tl.program_id(0)
-    row, split = _row_split(num_splits, lead_tiles)
+    row, split = _row_split(num_splits, lead_tiles, LEAD)
     D: tl.constexpr = 512
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
     q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
-    start, end = _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
+    start, end = _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N, LEAD)
     s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -820,13 +823,14 @@ def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_
     compiled = _decode_kernel[(triton.cdiv(heads, cfg.block_h), splits, rows)](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        heads, slots.shape[1], splits, lead_tiles if splits > 1 else 0,
+        heads, slots.shape[1], splits, lead_tiles,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
         NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap,
-        PTX=cfg.ptx and query.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PTX=cfg.ptx and query.is_cuda, LEAD=bool(lead_tiles) and splits > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     combine(ws, out, lse_t, splits, output_scale)
     return compiled
