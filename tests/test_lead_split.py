@@ -24,6 +24,8 @@ from test_triton_decode import DEVICE, _case, _check
 from vllm_kimi_dsa.formats import LATENT_DIM
 from vllm_kimi_dsa.kernels import triton_decode as td
 from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_config
+from vllm_kimi_dsa.kernels.gluon_few_heads import reg_v_params
 from vllm_kimi_dsa.kernels.triton_decode import (
     TritonDecode,
     _lead_makespan,
@@ -35,18 +37,6 @@ from vllm_kimi_dsa.kernels.triton_decode import (
 )
 
 SMS = 132  # the H200's
-
-
-def _gluon_like() -> td.Config:
-    """The plan model's view of the 64-head Gluon kernels (gluon_decode.gluon_config), without importing Gluon."""
-    return td.Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8,
-                     lead_split=True, lead_min_gain=0.0)
-
-
-def _few_two_cta() -> td.Config:
-    """gluon_few_heads.reg_v_params(2).config(16)'s plan view, without importing Gluon."""
-    return td.Config(block_h=16, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=2, imprecise=0, swap=True,
-                     split_tiles=2.0, tile_cost=1.15, lead_split=True)
 
 
 def _dispatch(busy: int, free: int, big: float, small: float, pieces: int) -> float:
@@ -74,7 +64,7 @@ def test_makespan_matches_list_scheduling() -> None:
 def test_lead_plans_are_one_launch_partial_waves() -> None:
     """A lead plan only where the first pieces leave slots idle, only for lead_split configs, always a one-launch
     plan of >= 2 splits whose first piece is shorter than the row, and only cfg.lead_min_gain below every even plan."""
-    for cfg, heads in ((_gluon_like(), 128), (_few_two_cta(), 16)):
+    for cfg, heads in ((gluon_config(), 128), (reg_v_params(2).config(16), 16)):
         even_cfg = dataclasses.replace(cfg, lead_split=False)
         tiles = 2048 // cfg.block_n
         seen = 0
@@ -115,7 +105,7 @@ def test_picked_lead_is_near_the_measured_best(key) -> None:
     """The model's lead sits between the measured leads that bracket the best one (the cost is V-shaped in the
     lead: too short leaves the later pieces two rounds, too long holds the first)."""
     kind, heads, rows = key
-    cfg = _gluon_like() if kind == "seesaw" else _few_two_cta()
+    cfg = gluon_config() if kind == "seesaw" else reg_v_params(2).config(heads)
     even_us, times = MEASURED_LEAD_US[key]
     lead = choose_lead(rows, heads, 2048, cfg, SMS)
     splits = choose_plan(rows, heads, 2048, cfg, SMS)[1]
@@ -143,8 +133,7 @@ MEASURED_AB_US = {
 def test_measured_lead_plans_were_faster(heads: int, rows: int) -> None:
     """Each batch the model gives a lead plan (H = 128: the 64-head config; <= 32 heads: the two-CTA reg_v form,
     which plan_cost picks at these sizes) ran faster with it than planned evenly on the H200."""
-    cfg = _gluon_like() if heads > 32 else dataclasses.replace(
-        _few_two_cta(), tile_cost=1.3 if heads > 16 else 1.15)
+    cfg = gluon_config() if heads > 32 else reg_v_params(2).config(heads)
     assert choose_lead(rows, heads, 2048, cfg, SMS)
     with_lead, even = MEASURED_AB_US[heads, rows]
     assert with_lead < even
@@ -259,7 +248,7 @@ GLUON_CASES = [
 def test_gluon_kernels_lead_splits_match_reference(kind, rows, heads, width, splits, lead) -> None:
     from test_gluon_decode import _case as fp8_case
     from vllm_kimi_dsa.kernels import gluon_few_heads as fh
-    from vllm_kimi_dsa.kernels.gluon_decode import gluon_config, gluon_sparse_mla_decode
+    from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
     from vllm_kimi_dsa.kernels.gluon_seesaw import seesaw_sparse_mla_decode
 
     q, kv, slots, counts, ss, os_ = fp8_case(rows, heads, width, seed=rows * 13 + heads + lead)

@@ -152,6 +152,15 @@ if gl is not None:
         return p, m_new, l_i, acc
 
     @gluon.jit
+    def publish(bar, EACH_THREAD: gl.constexpr):
+        """A consumer's mbarrier arrive publishing its shared-memory stores: one thread's after the partition's
+        bar.sync, and with EACH_THREAD each thread's own cp.async.mbarrier.arrive too (the barrier counts 128 more
+        a consumer), which racecheck follows where it does not follow the bar.sync into the one arrive."""
+        if EACH_THREAD:
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+        mbarrier.arrive(bar)
+
+    @gluon.jit
     def _exchange(x_ready, phase, HALF: gl.constexpr, X_SYNC: gl.constexpr):
         """The two consumers' rendezvous after each stored its share in x_s (X_SYNC, see GluonParams.x_sync): 0 one
         thread's mbarrier arrive after the partition's bar.sync, 1 the same plus every thread's own
@@ -161,9 +170,7 @@ if gl is not None:
             gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r",
                                       [gl.arange(0, 128, _ONE_A_THREAD)], dtype=gl.int32, is_pure=False, pack=1)
         else:
-            if X_SYNC == 1:
-                async_copy.mbarrier_arrive(x_ready.index(HALF), increment_count=False)
-            mbarrier.arrive(x_ready.index(HALF))
+            publish(x_ready.index(HALF), X_SYNC == 1)
             mbarrier.wait(x_ready.index(1 - HALF), phase)
 
     @gluon.jit

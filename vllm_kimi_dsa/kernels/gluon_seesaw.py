@@ -80,7 +80,6 @@ if gl is not None:
     warpgroup_mma = gd.warpgroup_mma
     warpgroup_mma_init = gd.warpgroup_mma_init
     warpgroup_mma_wait = gd.warpgroup_mma_wait
-    async_copy = gd.async_copy
     from vllm_kimi_dsa.kernels import gluon_few_heads as gfh
 
     _BH = gl.constexpr(BLOCK_H)
@@ -145,15 +144,6 @@ if gl is not None:
         return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, _O_LAYOUT)), 0)
 
     @gluon.jit
-    def _arrive(bar, HANDOFF: gl.constexpr):
-        """A consumer's mbarrier arrive publishing its shared-memory stores: one thread's after the partition's
-        bar.sync, and with HANDOFF 1 each thread's own cp.async.mbarrier.arrive too (the barrier counts
-        128 more a consumer), which racecheck follows where it does not follow the bar.sync into the one arrive."""
-        if HANDOFF:
-            async_copy.mbarrier_arrive(bar, increment_count=False)
-        mbarrier.arrive(bar)
-
-    @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
                   HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr):
         """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
@@ -171,7 +161,7 @@ if gl is not None:
         p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
         fence_async_shared()
-        _arrive(p_ready.index(b), HANDOFF)
+        gd.publish(p_ready.index(b), HANDOFF)
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
@@ -189,7 +179,7 @@ if gl is not None:
         l_i = l_i * alpha
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        _arrive(p_empty.index(b), HANDOFF)
+        gd.publish(p_empty.index(b), HANDOFF)
         return m_new, l_i, acc
 
     @gluon.jit
@@ -200,7 +190,7 @@ if gl is not None:
         out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
-        _arrive(l_ready.index(0), HANDOFF)
+        gd.publish(l_ready.index(0), HANDOFF)
         mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
@@ -337,7 +327,7 @@ class SeesawParams:
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
     # the consumers' hand-offs (P and m_t, P freed, the row sums) through mbarriers: 0 one thread's arrive after the
-    # partition's bar.sync; 1 each thread's own arrive too, which racecheck follows (_arrive), 1.2-1.4% slower at
+    # partition's bar.sync; 1 each thread's own arrive too, which racecheck follows (gluon_decode.publish), 1.2-1.4% slower at
     # 200-320 rows (H200). Named barriers (bar.arrive / bar.sync) were slower still and racecheck does not follow
     # bar.arrive: measured and removed (NOTES v20, results/h200-2026-12-04/exchange/handoff2.patch).
     handoff: int = 0

@@ -118,37 +118,21 @@ def _best_splits(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per
 
 def _lead_makespan(busy: int, free: int, big: float, small: float, pieces: int) -> float:
     """Greedy dispatch of a split-major grid: `busy` slots run a first piece of cost `big` from t = 0, `free` slots
-    are idle; `pieces` later pieces of cost `small` each start on the earliest-free slot. The pieces' start times are
-    the `pieces` smallest of {k small (free times each), big + j small (busy times each)}; returns when the last
-    piece (or first piece) ends."""
+    are idle; `pieces` later pieces of cost `small` each start on the earliest-free slot. Returns when the last piece
+    (or first piece) ends. The pieces start in order of the times {k small (free times each), big + j small (busy
+    times each)}: before `big` only the free slots' (`before` of them), after it each period of `small` holds the
+    busy slots' start at big + j small, then the free slots' `phase` later."""
     if pieces == 0:
         return big
-
-    def starts_by(t: float) -> int:  # pieces that can have started by time t
-        n = free * (math.floor(t / small + 1e-9) + 1) if free else 0
-        if t >= big - 1e-9:
-            n += busy * (math.floor((t - big) / small + 1e-9) + 1)
-        return n
-    # the pieces-th start is one of the two series' values: search each series for its first value that covers
-    candidates = []
-    if free:
-        lo, hi = 0, pieces  # k: start k small
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if starts_by(mid * small) >= pieces:
-                hi = mid
-            else:
-                lo = mid + 1
-        candidates.append(lo * small)
-    lo, hi = 0, pieces
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if starts_by(big + mid * small) >= pieces:
-            hi = mid
-        else:
-            lo = mid + 1
-    candidates.append(big + lo * small)
-    return max(big, min(candidates) + small)
+    rounds_before = math.ceil(big / small - 1e-9)  # the free slots' starts before big
+    before = free * rounds_before
+    if pieces <= before:
+        last_start = (math.ceil(pieces / free) - 1) * small
+    else:
+        period, index = divmod(pieces - before - 1, busy + free)
+        phase = rounds_before * small - big  # the free slots' start after big + j small, within [0, small)
+        last_start = big + period * small + (phase if index >= busy else 0.0)
+    return max(big, last_start + small)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -1039,5 +1023,5 @@ class TritonDecode:
         return launch
 
 
-__all__ = ["Config", "TritonDecode", "Workspace", "choose_lead", "choose_plan", "choose_splits", "default_config", "make_workspace",
-           "run_plan", "sparse_mla_decode"]
+__all__ = ["Config", "TritonDecode", "Workspace", "choose_lead", "choose_plan", "choose_splits", "default_config",
+           "make_workspace", "run_plan", "sparse_mla_decode"]
