@@ -242,6 +242,13 @@ def test_bad_splits_name_the_argument(splits):
     assert bool((out == 7.0).all()), "a rejected call wrote into out"
 
 
+def test_host_cdiv_and_next_pow2_are_tritons():
+    """The planner and launchers use plain-Python twins of triton.cdiv / triton.next_power_of_2 (constexpr_functions,
+    ~1.7 µs a host call); they must give the same answers wherever the host asks."""
+    assert all(triton_decode.cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 4200) for b in (1, 2, 3, 7, 16, 64, 132))
+    assert all(triton_decode.next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 70000))
+
+
 def test_split_heuristic_fills_the_chip():
     cfg = default_config(128, "fp8")
     assert choose_splits(320, 128, 2048, cfg, 132) == 1

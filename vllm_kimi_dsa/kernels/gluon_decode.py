@@ -788,7 +788,7 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
     """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
-    return launch_kernel(gluon_decode_kernel, triton.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
+    return launch_kernel(gluon_decode_kernel, td.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
                          out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
                          lead_tiles=lead_tiles)
 
