@@ -343,3 +343,16 @@ def test_fit_plan_cost_reads_pairs_and_scores_picks(tmp_path: Path) -> None:
     assert fit.score({(16, 8): (10.0, 10.05)}, {(16, 8): 2}) == pytest.approx((0.05, 0))
     chosen = fit.picks(pairs, {1: 1.7, 2: 1.5}, 2.0)
     assert set(chosen) == set(pairs) and set(chosen.values()) <= {1, 2}
+
+
+def test_bench_host_guards_the_launch_queue_and_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_host's host_us counts only the host while the CUDA launch queue has room: too many layer-steps is an
+    error before any work; without a GPU the script says what it needs."""
+    import bench_host
+
+    with pytest.raises(ValueError, match="layers x reps"):
+        bench_host.measure(128, 5, layers=16, reps=16)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(sys, "argv", ["bench_host.py"])
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench_host.main()
