@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_kimi_dsa.host_math import next_pow2
+
 __all__ = ["convert_topk", "convert_topk_reference", "default_tile"]
 
 WIDTH_MULTIPLE = 128  # every top-k width K3.1's indexer emits is a multiple of this
@@ -26,8 +28,7 @@ def default_tile(width: int) -> int:
     rows, so per-program latency, not throughput, is what counts), small enough that the
     per-tile scan and the int64 temporaries stay in registers.
     """
-    # the next power of two, in plain Python: triton.next_power_of_2 is a constexpr_function (~1.7 µs a host call)
-    return min(_MAX_TILE, 1 << (max(int(width), 1) - 1).bit_length())
+    return min(_MAX_TILE, next_pow2(max(int(width), 1)))
 
 
 @triton.jit

@@ -47,6 +47,7 @@ import torch
 import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels import triton_decode as td
 
 LOG2E = td.LOG2E
@@ -788,7 +789,7 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
     """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
-    return launch_kernel(gluon_decode_kernel, td.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
+    return launch_kernel(gluon_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
                          out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
                          lead_tiles=lead_tiles)
 

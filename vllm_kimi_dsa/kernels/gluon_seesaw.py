@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_kimi_dsa.formats import HEAD_DIM
+from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels import gluon_decode as gd
 from vllm_kimi_dsa.kernels import triton_decode as td
 
@@ -364,7 +365,7 @@ def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:
     28.2 / 34.2 / 45.3 -> 11.4 / 13.4 / 15.3 / 16.7 / 19.4 / 27.5 / 33.1 / 43.9; width 512 at 1 / 5 / 20 / 64 rows
     10.3 / 12.6 / 17.5 / 30.6 -> 9.6 / 12.1 / 17.1 / 24.9. The split tail after a whole-rows launch stays on the
     64-head kernel (slower here: SEESAW_MIN_TILES above)."""
-    return alone or (splits == 1 and td.cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES)
+    return alone or (splits == 1 and cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES)
 
 
 def seesaw_verified() -> bool:
@@ -375,7 +376,7 @@ def seesaw_verified() -> bool:
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: td.Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0) -> Any:
     """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
-    return gd.launch_kernel(seesaw_decode_kernel, td.cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
+    return gd.launch_kernel(seesaw_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
                             counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
                             lead_tiles=lead_tiles)
 

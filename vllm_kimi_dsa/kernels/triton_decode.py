@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
+from vllm_kimi_dsa.host_math import cdiv, next_pow2
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 
 LOG2E = 1.4426950408889634
@@ -82,17 +83,6 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: a few splits so the combine path is exercised on a CPU too
-
-
-def cdiv(a: int, b: int) -> int:
-    """Host ceil division. triton.cdiv is a constexpr_function: ~1.7 µs a call on the host (Triton 3.6 and 3.8), paid
-    on every launch and ~10^5 times a plan table (80% of its build time)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """Host next power of two >= n (n >= 1), as triton.next_power_of_2 without its constexpr_function call cost."""
-    return 1 << (n - 1).bit_length()
 
 
 _OVERHEAD = 1.5  # tiles' worth a CTA costs beyond its tiles: Q load, epilogue, the combine's extra pass
