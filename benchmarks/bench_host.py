@@ -8,7 +8,7 @@ Triton's JIT dispatch of the converter, the main kernel and the combine.
 Per (heads, rows), on the same inputs (host cost is the question, not HBM, so nothing is rotated):
   host_us   the host's enqueue time of one layer-step (no sync inside the loop; kept under CUDA's launch queue)
   eager_us  the same loop to completion (synchronized at its end), per layer-step
-  graph_us  the layers captured in one graph and replayed, per layer-step
+  graph_us  the layers captured in one graph, the median replay per layer-step (tune.cuda_graph_time_us)
 host_us >= graph_us means an eager step is host-bound.
 
     python3 benchmarks/bench_host.py --out DIR [--heads 128,16] [--rows 1,5,20,80] [--layers 8] [--reps 16]
@@ -19,6 +19,7 @@ GPU only. Writes host_bench.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -29,17 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step  # noqa: E402
+from vllm_kimi_dsa.tune import cuda_graph_time_us  # noqa: E402
 from vllm_kimi_dsa.vllm_glue import KimiDSACores  # noqa: E402
 
 WIDTH = 2048
 # CUDA queues about 1024 launches before a launch blocks the host; a layer-step is at most 4 (converter, two
 # launches of a tail-split plan, combine), so layers x reps stays under 1024 / 4 and host_us counts only the host.
 MAX_STEPS = 240
-
-
-def _forward(cores: KimiDSACores, steps, topk, metadata) -> None:
-    for i, step in enumerate(steps):
-        cores.forward(i, step.query, step.cache, topk, metadata)
 
 
 def measure(heads: int, rows: int, layers: int, reps: int, fmt: str = "fp8") -> dict[str, float | int | str]:
@@ -53,37 +50,27 @@ def measure(heads: int, rows: int, layers: int, reps: int, fmt: str = "fp8") -> 
                          device=dev)
     steps = [make_step(rows, heads, WIDTH, fmt, device=dev, seed=i) for i in range(layers)]
     topk, metadata = steps[0].topk, steps[0].metadata  # one indexer buffer and block table, as vLLM shares them
+    calls = [functools.partial(cores.forward, i, step.query, step.cache, topk, metadata)
+             for i, step in enumerate(steps)]
     for _ in range(3):  # compiles, lazy inits
-        _forward(cores, steps, topk, metadata)
+        for call in calls:
+            call()
     torch.cuda.synchronize()
 
     t0 = time.perf_counter()
     for _ in range(reps):
-        _forward(cores, steps, topk, metadata)
+        for call in calls:
+            call()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _forward(cores, steps, topk, metadata)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _forward(cores, steps, topk, metadata)
-    graph.replay()
-    torch.cuda.synchronize()
-    g0 = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    g1 = time.perf_counter()
     per = 1e6 / (layers * reps)
     return {
         "heads": heads, "rows": rows, "fmt": fmt, "layers": layers, "reps": reps,
         "kernel": cores.kernels[rows],
-        "host_us": (t1 - t0) * per, "eager_us": (t2 - t0) * per, "graph_us": (g1 - g0) * per,
+        "host_us": (t1 - t0) * per, "eager_us": (t2 - t0) * per,
+        "graph_us": cuda_graph_time_us(calls),
     }
 
 
