@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.formats import normalize_format
 
 # Kernels this package runs itself (kernels/); "sparse" is the model's own FP8 decode.
@@ -30,7 +31,7 @@ FI_KERNEL: dict[str, str] = {
     "dcp": "1-4096:prims_ts",
 }
 
-KERNEL_TABLE_ENV = "VLLM_KIMI_DSA_KERNEL_TABLE"
+KERNEL_TABLE_ENV = envs.KERNEL_TABLE
 
 
 # ---------------------------------------------------------------- spec strings
@@ -155,7 +156,7 @@ _active: dict[str, dict[str, str]] = {}  # env path -> loaded table: each file i
 def active_kernel_table() -> dict[str, str]:
     """The table kernel_for uses when given none: the file named by $VLLM_KIMI_DSA_KERNEL_TABLE
     (read once per path, cached; a bad file raises), else the built-in FI_KERNEL."""
-    path = os.environ.get(KERNEL_TABLE_ENV, "")
+    path = envs.kernel_table_path()
     if not path:
         return FI_KERNEL
     if path not in _active:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
 from vllm_kimi_dsa.host_math import cdiv, next_pow2
 from vllm_kimi_dsa.kernels.base import DecodeSetup
@@ -737,6 +737,38 @@ def make_workspace(
     )
 
 
+# (device, heads, partial dtype) -> the largest workspace made for it. Every layer's kernel runs on one stream, one
+# after another, so all of them can share one scratch, as FlashInfer's plans share one workspace.
+_SHARED_WORKSPACES: dict[tuple[str, int, torch.dtype], Workspace] = {}
+
+
+def shared_workspace(
+    device: torch.device | str,
+    *,
+    heads: int,
+    max_rows: int,
+    widths: tuple[int, ...] | list[int],
+    fmt: CacheFormat,
+    config: Config,
+    plans: dict[tuple[int, int], tuple[int, int]],
+) -> Workspace:
+    """make_workspace's scratch, shared by every caller of this device and head count that it is large enough for.
+
+    A caller needing more gets a new, larger one, which later callers then share; callers already holding the
+    smaller one keep it (it still fits them).
+    """
+    device = torch.device(device)
+    key = (str(device), int(heads), PARTIAL_DTYPE)
+    need = max([1] + [(r - whole) * s * heads for (r, _), (whole, s) in plans.items() if s > 1])
+    held = _SHARED_WORKSPACES.get(key)
+    if held is not None and held.capacity >= need and held.max_rows >= max_rows:
+        return held
+    made = make_workspace(device, heads=heads, max_rows=max(max_rows, held.max_rows if held else 0), widths=widths,
+                          fmt=fmt, config=config, plans=plans, min_entries=max(need, held.capacity if held else 0))
+    _SHARED_WORKSPACES[key] = made
+    return made
+
+
 # ----------------------------------------------------------------------------- launch
 
 
@@ -912,7 +944,7 @@ class TritonDecode:
         # verified, for one-launch plans and the launches of unsplit rows of enough tiles (gluon_seesaw.seesaw_takes).
         self.gluon: Any = None
         self.gluon_large: tuple[Any, ...] = ()
-        want = os.environ.get("VLLM_KIMI_DSA_GLUON", "")
+        want = envs.gluon_choice()
         few = setup.heads <= 32
         large, large_from, large_launch, seesaw_takes = (), setup.max_rows + 1, None, None
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
@@ -972,8 +1004,8 @@ class TritonDecode:
             self._launches[rows, width] = (self._bound(bound, first, lead), self._bound(bound, tail, 0))
             self.plan_params[rows, width] = (first[0], tail[0])
             self.plan_leads[rows, width] = lead
-        self.workspace = make_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows, widths=setup.widths,
-                                        fmt=self.fmt, config=self.config, plans=self._plans)
+        self.workspace = shared_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows,
+                                          widths=setup.widths, fmt=self.fmt, config=self.config, plans=self._plans)
 
     def __call__(
         self,
@@ -1025,4 +1057,4 @@ class TritonDecode:
 
 
 __all__ = ["Config", "TritonDecode", "Workspace", "choose_lead", "choose_plan", "choose_splits", "default_config",
-           "make_workspace", "run_plan", "sparse_mla_decode"]
+           "make_workspace", "run_plan", "shared_workspace", "sparse_mla_decode"]
