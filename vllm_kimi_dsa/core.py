@@ -320,6 +320,12 @@ class FlashInferCore:
         """The kernel name this core runs for a batch of `rows`."""
         return self.kernels[rows]
 
+    def decode_kernel(self, rows: int) -> DecodeKernel:
+        """The DecodeKernel object that runs a batch of `rows` (its plans, config and workspace)."""
+        if rows not in self._kernel_by_rows:
+            raise ValueError(f"rows={rows} has no kernel in this core's table {sorted(self.kernels)}")
+        return self._kernel_by_rows[rows]
+
     # ------------------------------------------------------------------ debug
 
     @staticmethod

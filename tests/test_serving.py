@@ -1,0 +1,178 @@
+"""The vLLM backend's per-step body (serving.LayerStep) on tensors laid out as vLLM lays them, without vLLM.
+
+What vLLM hands `_forward_mqa_kernel`: the FP8 query (rows, H, 576) from its concat-and-quantize op; the layer's
+cache (num_blocks, block_size, row_bytes), here with a block stride above the block size as vLLM's padded pages
+can have (FlashInfer's customize_spec aligns blocks to 32-row pages); the flat rows of each row's selection compacted to a prefix (vLLM's converter with return_valid_counts) and the counts.
+CPU: Triton's interpreter at small shapes. GPU (the H200): K3.1's shapes, every head count, decode and prefill
+batches, a CUDA graph replayed bit-identically with no allocation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fp8_wgmma_dims
+from decode_checks import check_decode
+
+from vllm_kimi_dsa import serving
+from vllm_kimi_dsa.convert import convert_topk_reference
+from vllm_kimi_dsa.formats import flat_kv_row_view
+from vllm_kimi_dsa.serving import LayerStep, StepShape
+from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+FORMATS = ("fp8", "nvfp4_ds_mla")
+# CPU: the interpreter at small shapes; GPU: K3.1's width and every head count of SPEC 1.
+WIDTH = 2048 if GPU else 128
+HEADS = (128, 96, 64, 32, 16, 12) if GPU else (16,)
+MAX_ROWS = 64 if GPU else 4
+
+
+def _vllm_inputs(rows: int, heads: int, fmt: str, seed: int, *, block_stride: int | None = 96):
+    """A step as vLLM hands it to the backend: flat rows compacted to a prefix in top-k order, counts."""
+    step = make_step(rows, heads, WIDTH, fmt, device=DEVICE, empty_rows=1, block_stride=block_stride, seed=seed)
+    _, stride_rows = flat_kv_row_view(step.cache, 64)
+    slots, counts = convert_topk_reference(
+        step.topk, step.metadata.req_id_per_token, step.metadata.block_table,
+        block_size=64, rows_per_block_stride=stride_rows,
+    )
+    return step, slots.contiguous(), counts
+
+
+def _layer_step(heads: int, fmt: str, *, return_lse: bool, max_rows: int = MAX_ROWS) -> LayerStep:
+    shape = StepShape(device=DEVICE, heads=heads, width=WIDTH, fmt=fmt, max_rows=max_rows, return_lse=return_lse)
+    return LayerStep(StandInImpl(kv_cache_dtype=fmt), StandInLayer(), shape, kernels=dict.fromkeys(
+        range(1, max_rows + 1), "triton"))
+
+
+def _check(step: LayerStep, out, lse, inputs, rows: int) -> None:
+    case, slots, counts = inputs
+    kv_rows, _ = flat_kv_row_view(case.cache, 64)
+    core = step.core
+    kernel = core.decode_kernel(min(rows, step.shape.max_rows))
+    check_decode(out, lse, case.query, kv_rows, slots, counts, core.fmt, core.softmax_scale, core.output_scale,
+                 config=getattr(kernel, "config", None), wgmma=fp8_wgmma_dims(kernel, core.fmt) or False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_decode_batch_matches_the_reference(fmt: str, heads: int) -> None:
+    rows = 3 if not GPU else 37
+    step = _layer_step(heads, fmt, return_lse=True)
+    inputs = _vllm_inputs(rows, heads, fmt, seed=heads)
+    step.buffers.latent.fill_(float("nan"))  # poison: every element the call returns must be written
+    step.buffers.lse.fill_(float("nan"))
+    out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
+    assert out.shape == (rows, heads, 512) and lse.shape == (rows, heads)
+    assert out.data_ptr() == step.buffers.latent.data_ptr(), "a decode batch must land in the shared buffer"
+    _check(step, out, lse, inputs, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_sized_batch_runs_in_pieces(fmt: str) -> None:
+    """More rows than any planned launch (a prefill chunk, a mixed batch): pieces of max_rows, same answer."""
+    heads = HEADS[-1]
+    rows = 2 * MAX_ROWS + 3  # two full pieces and an odd tail
+    step = _layer_step(heads, fmt, return_lse=True)
+    inputs = _vllm_inputs(rows, heads, fmt, seed=11)
+    out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
+    assert out.shape == (rows, heads, 512) and lse.shape == (rows, heads)
+    _check(step, out, lse, inputs, rows)
+
+
+def test_without_dcp_no_lse_and_the_same_latent() -> None:
+    heads, rows = HEADS[-1], 3
+    inputs = _vllm_inputs(rows, heads, "fp8", seed=5)
+    with_lse, _ = _layer_step(heads, "fp8", return_lse=True)(inputs[0].query, inputs[0].cache, *inputs[1:], 64)
+    with_lse = with_lse.clone()
+    out, lse = _layer_step(heads, "fp8", return_lse=False, max_rows=MAX_ROWS + 1)(
+        inputs[0].query, inputs[0].cache, *inputs[1:], 64
+    )
+    assert lse is None
+    torch.testing.assert_close(out, with_lse, rtol=0, atol=0)
+
+
+def test_layers_share_one_set_of_buffers() -> None:
+    a = _layer_step(16, "fp8", return_lse=True)
+    b = _layer_step(16, "fp8", return_lse=True)
+    assert a.buffers is b.buffers and a.core.buffers.latent.data_ptr() == b.core.buffers.latent.data_ptr()
+    c = _layer_step(16, "fp8", return_lse=False)
+    assert c.buffers is not a.buffers
+
+
+def test_zero_rows_return_empty_views() -> None:
+    step = _layer_step(16, "fp8", return_lse=True)
+    inputs = _vllm_inputs(1, 16, "fp8", seed=3)
+    out, lse = step(inputs[0].query[:0], inputs[0].cache, inputs[1][:0], inputs[2][:0], 64)
+    assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+
+
+def test_trtllm_rows_without_tokens_get_zero_and_minus_inf(monkeypatch) -> None:
+    """trtllm-gen leaves a finite LSE on a count-0 row; the step masks such rows as vLLM's FlashInfer impl does."""
+    monkeypatch.setattr("vllm_kimi_dsa.kernels.kernel_class", lambda name: _GarbageOnEmpty)
+    step = _layer_step(16, "fp8", return_lse=True, max_rows=4)
+    assert step._empty is None  # no trtllm in the table: nothing to mask
+    step = LayerStep(StandInImpl(_workspace_buffer=torch.zeros(1)), StandInLayer(), step.shape,
+                     kernels=dict.fromkeys(range(1, 5), "trtllm"))
+    inputs = _vllm_inputs(3, 16, "fp8", seed=9)
+    out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
+    assert int(inputs[2][0]) == 0
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1:]).all() and (out[1:] == 7).all()
+
+
+class _GarbageOnEmpty:
+    """A trtllm-gen stand-in: writes 7 everywhere and a finite LSE even on count-0 rows."""
+
+    name = "trtllm"
+
+    def __init__(self, setup) -> None:
+        self.setup = setup
+
+    def __call__(self, query, kv_rows, slots, counts, out, lse, *, block_size, rows_per_block_stride) -> None:
+        out.fill_(7.0)
+        if lse is not None:
+            lse.fill_(3.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_graph_replay_is_bit_identical_and_allocates_nothing(fmt: str) -> None:
+    heads, rows = 128, 20
+    step = _layer_step(heads, fmt, return_lse=True)
+    case, slots, counts = _vllm_inputs(rows, heads, fmt, seed=21)
+    eager_out, eager_lse = step(case.query, case.cache, slots, counts, 64)
+    eager_out, eager_lse = eager_out.clone(), eager_lse.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(case.query, case.cache, slots, counts, 64)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(case.query, case.cache, slots, counts, 64)
+    torch.cuda.synchronize()
+    step.buffers.latent.fill_(float("nan"))
+    before = torch.cuda.memory_allocated()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+def test_shared_buffers_registry_is_keyed_by_shape() -> None:
+    shape = StepShape(device=DEVICE, heads=12, width=WIDTH, fmt="fp8", max_rows=3, return_lse=False)
+    assert serving.shared_buffers(shape) is serving.shared_buffers(shape)
+    other = StepShape(device=DEVICE, heads=12, width=WIDTH, fmt="fp8", max_rows=5, return_lse=False)
+    assert serving.shared_buffers(other).latent.numel() == 5 * 12 * 512
+
+
+@pytest.mark.parametrize("bad", [dict(max_rows=0), dict(width=100), dict(fmt="bf16")])
+def test_step_shape_rejects_bad_values(bad) -> None:
+    kw = dict(device=DEVICE, heads=16, width=WIDTH, fmt="fp8", max_rows=4, return_lse=False)
+    kw.update(bad)
+    with pytest.raises(ValueError):
+        StepShape(**kw)
