@@ -1,0 +1,756 @@
+"""`python -m vllm_kimi_dsa bench --out DIR`: the one-GPU benchmark suite of the sparse MLA decode.
+
+Our Triton kernel (FP8, nvfp4_ds_mla) vs FlashInfer's SM90 fa3 peer, also a plain-torch baseline, the top-k
+converter vs a same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is
+reported against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
+
+    python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer]
+    python3 benchmarks/bench_suite.py --out DIR ...          (the same suite, from a source checkout)
+
+Same data for every kernel: one fp8 cache of e4m3(8 x) rows (k_scale 1/8), its nvfp4_ds_mla packing of x and its
+exact BF16 dequantization (for the peer); per (rows, H) the same slots and queries (q_scale 1/4). Each row is a
+request of 2K tokens in its own random 64-row blocks and selects K = 2048 of them, as the indexer does. Timing: a CUDA
+graph of calls over several input sets (queries, outputs, cache windows) so one replay reads > 2x the 60 MB L2,
+median over replays; the peer is planned outside the graph (its plan syncs).
+
+The peer (benchmarks/peer_fa3.py) lives in the source checkout, not in the package: an installed package runs the
+suite without it and says so in the JSON's info.flashinfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator, NoReturn
+
+import torch
+
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, FP8_ROW_BYTES, pack_nvfp4
+from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
+
+# benchmarks/ of a source checkout (next to the package): where the fa3 peer's script is; absent in an install.
+PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+PEER_KV = ("bf16", "fp8")  # the KV dtypes the peer builds (peer_fa3.KV_DTYPES)
+
+K = 2048
+BLOCK = 64
+SCALE = 1.0 / math.sqrt(192.0)  # K3's 1/sqrt(qk_nope + qk_rope)
+Q_SCALE, K_SCALE = 0.25, 0.125  # query e4m3(4 z), cache e4m3(8 x): powers of two so BF16 copies are exact
+FULL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 20, 32, 64, 80, 160, 320)
+FULL_HEADS = (128, 64, 32, 16, 12)
+QUICK_ROWS = (1, 5, 64, 320)
+QUICK_HEADS = (128, 12)
+ERROR_SIZES = ((5, 128), (64, 16), (20, 12), (320, 128))
+QUICK_ERROR_SIZES = ((5, 128),)
+TORCH_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (5, 16), (80, 16))
+FUSED_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (320, 128), (5, 12), (80, 12))
+ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM}
+MAX_SETS = 64
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- data
+
+
+class Data:
+    """The shared caches: fp8 rows, their nvfp4 packing and BF16 dequantization, each with room for windows."""
+
+    def __init__(self, device: torch.device, base_rows: int, shift: int, with_bf16: bool) -> None:
+        self.device, self.base_rows, self.shift = device, base_rows, shift
+        total = base_rows + shift * (MAX_SETS - 1)
+        g = torch.Generator(device=device).manual_seed(2026)
+        self.fp8 = torch.empty((total, HEAD_DIM), dtype=torch.float8_e4m3fn, device=device)
+        self.nvfp4 = torch.empty((total, NVFP4_ROW_BYTES), dtype=torch.uint8, device=device)
+        self.bf16 = torch.empty((total, HEAD_DIM), dtype=torch.bfloat16, device=device) if with_bf16 else None
+        chunk = 65536
+        for s in range(0, total, chunk):
+            e = min(total, s + chunk)
+            x = torch.randn((e - s, HEAD_DIM), device=device, generator=g)
+            self.fp8[s:e] = (x / K_SCALE).to(torch.float8_e4m3fn)
+            x = self.fp8[s:e].float() * K_SCALE  # the values all three caches hold (nvfp4 up to its rounding)
+            self.nvfp4[s:e] = pack_nvfp4(x)
+            if self.bf16 is not None:
+                self.bf16[s:e] = x.to(torch.bfloat16)  # exact: e4m3 * 2^-3 fits BF16
+        self.total = total
+
+    def window(self, kind: str, s: int) -> torch.Tensor:
+        """Rows [s*shift, s*shift + base_rows) of a cache: the same slots land on other rows per set."""
+        t = {"fp8": self.fp8, "nvfp4_ds_mla": self.nvfp4, "bf16": self.bf16}[kind]
+        assert t is not None
+        return t[s * self.shift: s * self.shift + self.base_rows]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.fp8, self.nvfp4, self.bf16) if t is not None)
+
+
+def n_sets(rows: int) -> int:
+    """Input sets per graph: one replay must read > 2x L2 even in the smallest format, at least 4."""
+    per_call = rows * K * NVFP4_ROW_BYTES
+    return int(min(MAX_SETS, max(4, math.ceil(2 * L2_BYTES / per_call))))
+
+
+def request_slots(rows: int, g: torch.Generator, device: torch.device, base_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows laid out as vLLM's: each row a request of 2K tokens in its own random 64-row blocks (distinct blocks
+    across rows while the cache has enough), its K slots a random K of its 2K tokens in top-k (random) order.
+    Returns (block_table (rows, 2K/64) int32, slots (rows, K) int32)."""
+    blocks_per_row = 2 * K // BLOCK
+    base_blocks = base_rows // BLOCK
+    if rows * blocks_per_row <= base_blocks:
+        bt = torch.randperm(base_blocks, device=device, generator=g)[: rows * blocks_per_row].view(rows, -1)
+    else:
+        bt = torch.randint(0, base_blocks, (rows, blocks_per_row), device=device, generator=g)
+    bt = bt.to(torch.int32)
+    pos = torch.rand((rows, 2 * K), device=device, generator=g).argsort(dim=1)[:, :K]
+    slots = bt.gather(1, pos // BLOCK) * BLOCK + (pos % BLOCK).to(torch.int32)
+    return bt, slots.to(torch.int32).contiguous()
+
+
+def config_inputs(rows: int, heads: int, sets: int, device: torch.device, base_rows: int,
+                  bf16: bool) -> dict[str, Any]:
+    """The (rows, H) inputs every kernel gets: slots, full counts, `sets` queries (fp8 and the same in BF16)."""
+    g = torch.Generator(device=device).manual_seed(rows * 1000 + heads)
+    _, slots = request_slots(rows, g, device, base_rows)
+    counts = torch.full((rows,), K, dtype=torch.int32, device=device)
+    q8 = [(torch.randn((rows, heads, HEAD_DIM), device=device, generator=g) / Q_SCALE).to(torch.float8_e4m3fn)
+          for _ in range(sets)]
+    q16 = [q.to(torch.bfloat16) for q in q8] if bf16 else []  # exact: e4m3 fits BF16
+    outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=device) for _ in range(sets)]
+    return {"slots": slots, "counts": counts, "q8": q8, "q16": q16, "outs": outs}
+
+
+def error_inputs(rows: int, heads: int, device: torch.device, base_rows: int) -> dict[str, Any]:
+    """Ragged counts in [1, K] (the peer cannot take 0), -1 past each count, one query."""
+    g = torch.Generator(device=device).manual_seed(rows * 7 + heads)
+    _, slots = request_slots(rows, g, device, base_rows)
+    counts = torch.randint(1, K + 1, (rows,), dtype=torch.int32, device=device, generator=g)
+    counts[0] = K
+    if rows > 1:
+        counts[1] = 1
+    slots[torch.arange(K, device=device) >= counts.unsqueeze(1)] = -1
+    q8 = (torch.randn((rows, heads, HEAD_DIM), device=device, generator=g) / Q_SCALE).to(torch.float8_e4m3fn)
+    return {"slots": slots, "counts": counts, "q8": q8, "q16": q8.to(torch.bfloat16)}
+
+
+# ---------------------------------------------------------------- kernels under test
+
+
+def scales(fmt: str) -> tuple[float, float]:
+    """(softmax_scale, output_scale) in reference_decode's convention (SPEC 2.1)."""
+    return (SCALE * Q_SCALE * K_SCALE, K_SCALE) if fmt == "fp8" else (SCALE * Q_SCALE, 1.0)
+
+
+@contextlib.contextmanager
+def even_plans() -> Iterator[None]:
+    """Kernel objects built inside plan without lead plans (triton_decode.choose_lead): the A/B of --even."""
+    from vllm_kimi_dsa.kernels import triton_decode as td
+
+    saved = td._best_lead
+    td._best_lead = lambda *args: (1, 0, float("inf"))  # no uneven plan anywhere
+    td._plan_and_cost.cache_clear()
+    try:
+        yield
+    finally:
+        td._best_lead = saved
+        td._plan_and_cost.cache_clear()
+
+
+def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True) -> Callable[..., None]:
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+    from vllm_kimi_dsa.kernels.triton_decode import TritonDecode
+
+    sm, osc = scales(fmt)
+    setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
+                        return_lse=False, softmax_scale=sm, output_scale=osc)
+    with contextlib.nullcontext() if lead else even_plans():
+        kernel = TritonDecode(setup)
+
+    def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
+        kernel(q, kv, slots, counts, out, None, block_size=BLOCK, rows_per_block_stride=BLOCK)
+
+    # which implementation each launch of this batch's plan runs: a Gluon kernel's params class, or the plain `tl`
+    # kernel ("SeesawParams+GluonParams": whole rows on the seesaw kernel, the split rest on the 64-head kernel)
+    picked = dict.fromkeys("tl" if p is None else type(p).__name__ for p in kernel.plan_params[rows, K])
+    lead_tiles = kernel.plan_leads[rows, K]
+    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "")  # type: ignore[attr-defined]
+    return call
+
+
+def torch_decode(q16: torch.Tensor, kv_fp8: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """Plain torch: gather the fp8 rows, dequantize to BF16, two BF16 batched matmuls, float32 softmax."""
+    rows = slots.shape[0]
+    ids = slots.clamp(min=0).reshape(-1).long()
+    kv = kv_fp8.view(torch.uint8)[ids].view(torch.float8_e4m3fn).view(rows, K, HEAD_DIM).to(torch.bfloat16)
+    kv = kv * K_SCALE
+    logits = torch.bmm(q16.view(rows, -1, HEAD_DIM), kv.transpose(1, 2)).float() * (SCALE * Q_SCALE)
+    live = torch.arange(K, device=slots.device) < counts.unsqueeze(1)
+    logits = logits.masked_fill(~live.unsqueeze(1), float("-inf"))
+    p = torch.softmax(logits, dim=-1).to(torch.bfloat16)
+    out.copy_(torch.bmm(p, kv[..., :LATENT_DIM]))
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def _event_time_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def ceilings(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Copy bandwidth (bytes read + written / s), BF16 and FP8 dense matmul rates."""
+    res: dict[str, Any] = {}
+    n = (1 << 30) if not quick else (1 << 29)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _event_time_ms(lambda: dst.copy_(src), 10)
+    res["copy_GBps"] = 2 * n / (ms * 1e-3) / 1e9
+    res["copy_bytes"] = n
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=device).to(torch.bfloat16)
+    b = torch.randn(m, m, device=device).to(torch.bfloat16)
+    ms = _event_time_ms(lambda: torch.mm(a, b), 10)
+    res["bf16_TFLOPs"] = 2 * m**3 / (ms * 1e-3) / 1e12
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major second operand
+        one = torch.ones((), device=device)
+        ms = _event_time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10)
+        res["fp8_TFLOPs"] = 2 * m**3 / (ms * 1e-3) / 1e12
+    except Exception as err:  # older torch / no fp8 GEMM: fp8 floors fall back to the BF16 rate
+        res["fp8_TFLOPs"] = None
+        res["fp8_error"] = repr(err)[:300]
+    del a, b
+    torch.cuda.empty_cache()
+    return res
+
+
+def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, compute: str,
+            ceil: dict[str, Any]) -> dict[str, Any]:
+    """TFLOP/s-equivalent, KV GB/s and the floor max(bytes / copy bandwidth, flops / matmul rate).
+
+    compute: "bf16", "fp8" (all flops at that matmul rate) or "fp8qk" (Q.K at the FP8 rate, P.V at the BF16 rate).
+    q_bytes: bytes per query element (1 for e4m3, 2 for BF16).
+    """
+    flops = 2.0 * rows * heads * K * (HEAD_DIM + LATENT_DIM)
+    kv_bytes = rows * K * ROW_BYTES[kv_kind]
+    io_bytes = rows * heads * HEAD_DIM * q_bytes + rows * heads * LATENT_DIM * 2  # query in, latent out
+    bf16_rate = ceil["bf16_TFLOPs"]
+    fp8_rate = ceil.get("fp8_TFLOPs") or bf16_rate
+    if compute == "fp8qk":  # our Triton kernel: Q.K on FP8 tensor cores, P.V in fp16 (the BF16 rate)
+        qk = 2.0 * rows * heads * K * HEAD_DIM
+        floor_fl = (qk / fp8_rate + (flops - qk) / bf16_rate) / 1e12 * 1e6
+    else:
+        floor_fl = flops / ((fp8_rate if compute == "fp8" else bf16_rate) * 1e12) * 1e6
+    floor_bw = (kv_bytes + io_bytes) / (ceil["copy_GBps"] * 1e9) * 1e6
+    floor = max(floor_bw, floor_fl)
+    t = us * 1e-6
+    return {
+        "us": round(us, 3), "tflops": round(flops / t / 1e12, 2), "kv_GBps": round(kv_bytes / t / 1e9, 1),
+        "floor_us": round(floor, 3), "floor_bw_us": round(floor_bw, 3), "floor_flops_us": round(floor_fl, 3),
+        "floor_bound": "bandwidth" if floor_bw >= floor_fl else "compute", "of_floor": round(floor / us, 3),
+        "compute": compute, "kv_bytes": kv_bytes, "flops": flops,
+    }
+
+
+# ---------------------------------------------------------------- the peer (background build)
+
+
+def peer_module() -> ModuleType | None:
+    """benchmarks/peer_fa3.py as the module `peer_fa3` (the sections import it by that name); None without it."""
+    if not (PEER_DIR / "peer_fa3.py").is_file():
+        return None
+    if str(PEER_DIR) not in sys.path:
+        sys.path.insert(0, str(PEER_DIR))
+    return importlib.import_module("peer_fa3")
+
+
+class PeerBuilds:
+    """JIT builds of the fa3 modules in child processes (they overlap the Triton runs), plus small checks."""
+
+    def __init__(self, kinds: list[str], probe_heads: list[int]) -> None:
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], Any, float]] = {}
+        script = str(PEER_DIR / "peer_fa3.py")
+        for kv in kinds:
+            f = tempfile.NamedTemporaryFile(prefix=f"peer_build_{kv}_", suffix=".log", delete=False)
+            p = subprocess.Popen([sys.executable, script, "--build", kv,
+                                  "--probe-heads", ",".join(map(str, probe_heads))],
+                                 stdout=f, stderr=subprocess.STDOUT)
+            self.procs[kv] = (p, f, time.perf_counter())
+
+    def wait(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        res: dict[str, Any] = {}
+        for kv, (p, f, t0) in self.procs.items():
+            try:
+                rc = p.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = -9
+            f.close()
+            text = Path(f.name).read_text(errors="replace")
+            lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+            res[kv] = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": lines,
+                       "tail": text[-1500:] if rc else ""}
+        return res
+
+
+def peer_heads_ok(build: dict[str, Any], heads: int) -> bool:
+    return any(r.get("heads") == heads and r.get("ok") for r in build.get("records", []))
+
+
+# ---------------------------------------------------------------- sections
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device("cuda")
+        self.out_dir = Path(args.out)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.results: list[dict[str, Any]] = []
+        self.accuracy: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+
+    def dump(self) -> None:
+        payload = {"info": self.info, "results": self.results, "accuracy": self.accuracy, "failures": self.failures}
+        tmp = self.out_dir / "bench_suite.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, self.out_dir / "bench_suite.json")
+
+    def elapsed(self) -> str:
+        return f"+{time.perf_counter() - self.t0:6.1f}s"
+
+    def guarded(self, what: dict[str, Any], fn: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """Run one measurement; a failure is recorded (with its traceback) and the suite goes on."""
+        try:
+            return fn()
+        except Exception as err:
+            rec = {**what, "error": f"{type(err).__name__}: {err}"[:600], "trace": traceback.format_exc()[-1500:]}
+            self.failures.append(rec)
+            log(f"{self.elapsed()} FAILED {what}: {rec['error']}")
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # a sticky device fault: later steps fail on their own and say so
+                pass
+            return None
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.results.append(rec)
+        log(f"{self.elapsed()} {rec['section']:>7} {rec['kernel']:<22} rows={rec['rows']:<4} H={rec.get('heads', '-'):<4} "
+            f"{rec['us']:9.2f} us  {rec.get('tflops', 0):7.1f} TF/s  {rec.get('kv_GBps', 0):7.0f} GB/s  "
+            f"floor {rec.get('floor_us', 0):8.2f} us ({rec.get('of_floor', 0):.2f})")
+
+
+def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tuple[int, ...],
+                   heads_list: tuple[int, ...], kinds: list[str], peer: dict[str, Any] | None) -> None:
+    """Every (rows, H) for every kernel: our Triton kernel per format, then the peer per KV dtype."""
+    dev = suite.device
+    for heads in heads_list:
+        for rows in rows_list:
+            sets = n_sets(rows)
+            want_bf16 = peer is not None
+            inp = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=want_bf16)
+            slots, counts = inp["slots"], inp["counts"]
+            for kind in kinds:
+                what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
+                if kind.startswith(("triton/", "triton-even/")):
+                    fmt = kind.split("/", 1)[1]
+
+                    def run_triton(fmt: str = fmt, lead: bool = kind.startswith("triton/")) -> dict[str, Any]:
+                        call = triton_kernel(fmt, heads, rows, dev, lead)
+                        calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, s), slots, counts, inp["outs"][s])
+                                 for s in range(sets)]
+                        us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
+                        return {**what, "fmt": fmt, "sets": sets, "impl": call.impl,
+                                **metrics(rows, heads, us, fmt, 1, "fp8qk", ceil)}
+
+                    rec = suite.guarded(what, run_triton)
+                else:
+                    kv = kind.split("/", 1)[1]
+                    if peer is None or not peer.get(kv, {}).get("usable_heads", {}).get(heads, False):
+                        continue
+
+                    def run_peer(kv: str = kv) -> dict[str, Any]:
+                        from peer_fa3 import make_peer
+
+                        p = make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE,
+                                      kv_scale=K_SCALE if kv == "fp8" else 1.0, device=dev)
+                        p.plan(slots, [K] * rows)
+                        kv_kind = "bf16" if kv == "bf16" else "fp8"
+                        calls = [lambda s=s: p.run(inp["q16"][s], data.window(kv_kind, s), inp["outs"][s])
+                                 for s in range(sets)]
+                        us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
+                        return {**what, "fmt": kv_kind, "sets": sets,
+                                **metrics(rows, heads, us, kv_kind, 2, "bf16", ceil)}
+
+                    rec = suite.guarded(what, run_peer)
+                if rec is not None:
+                    suite.record(rec)
+            del inp
+        suite.dump()
+
+
+def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...], kinds: list[str],
+                     peer: dict[str, Any] | None) -> None:
+    """rel L2 error of every kernel vs reference_decode (float32), ragged counts, -1 past each count."""
+    from vllm_kimi_dsa.reference import reference_decode
+
+    dev = suite.device
+    for rows, heads in sizes:
+        inp = error_inputs(rows, heads, dev, data.base_rows)
+        refs: dict[str, torch.Tensor] = {}
+        for fmt in ("fp8", "nvfp4_ds_mla"):
+            sm, osc = scales(fmt)
+            refs[fmt], _ = reference_decode(inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], fmt=fmt,
+                                            softmax_scale=sm, output_scale=osc)
+        for kind in kinds + ["torch/fp8"]:
+            what = {"section": "accuracy", "kernel": kind, "rows": rows, "heads": heads}
+            out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
+
+            def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
+                family, fmt = kind.split("/", 1)
+                if family in ("triton", "triton-even"):
+                    triton_kernel(fmt, heads, rows, dev, family == "triton")(inp["q8"], data.window(fmt, 0),
+                                                                            inp["slots"], inp["counts"], out)
+                    ref = refs[fmt]
+                elif family == "torch":
+                    torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], inp["counts"], out)
+                    ref = refs["fp8"]
+                else:
+                    if peer is None or not peer.get(fmt, {}).get("usable_heads", {}).get(heads, False):
+                        return None
+                    from peer_fa3 import make_peer
+
+                    p = make_peer(fmt, heads, rows, K, sm_scale=SCALE * Q_SCALE,
+                                  kv_scale=K_SCALE if fmt == "fp8" else 1.0, device=dev)
+                    p.plan(inp["slots"], inp["counts"].cpu())
+                    p.run(inp["q16"], data.window("bf16" if fmt == "bf16" else "fp8", 0), out)
+                    ref = refs["fp8"]
+                torch.cuda.synchronize()
+                o = out.float()
+                err = float((o - ref).norm() / ref.norm())
+                rec = {**what, "rel_l2": err, "max_abs": float((o - ref).abs().max()),
+                       "nonfinite": int((~torch.isfinite(o)).sum())}
+                log(f"{suite.elapsed()} accuracy {kind:<22} rows={rows:<4} H={heads:<4} rel L2 {err:.3e}")
+                return rec
+
+            rec = suite.guarded(what, check)
+            if rec is not None:
+                suite.accuracy.append(rec)
+        del inp, refs
+    suite.dump()
+
+
+def torch_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[tuple[int, int], ...]) -> None:
+    dev = suite.device
+    for rows, heads in sizes:
+        sets = min(n_sets(rows), 8)  # the baseline's gathered copy is itself far larger than L2
+        inp = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=True)
+        what = {"section": "torch", "kernel": "torch/fp8->bf16", "rows": rows, "heads": heads}
+
+        def run() -> dict[str, Any]:
+            calls = [lambda s=s: torch_decode(inp["q16"][s], data.window("fp8", s), inp["slots"], inp["counts"],
+                                              inp["outs"][s]) for s in range(sets)]
+            us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time, min_reps=5)
+            return {**what, "fmt": "fp8", "sets": sets, **metrics(rows, heads, us, "fp8", 2, "bf16", ceil)}
+
+        rec = suite.guarded(what, run)
+        if rec is not None:
+            suite.record(rec)
+        del inp
+        torch.cuda.empty_cache()
+    suite.dump()
+
+
+def convert_inputs(rows: int, sets: int, device: torch.device, base_rows: int) -> dict[str, Any]:
+    """Top-k ids of 2K-token requests (5% holes) and their block table (as request_slots lays them out)."""
+    g = torch.Generator(device=device).manual_seed(rows + 99)
+    bt, _ = request_slots(rows, g, device, base_rows)
+    req = torch.arange(rows, dtype=torch.int32, device=device)
+    topks = []
+    for _ in range(sets):
+        t = torch.rand((rows, 2 * K), device=device, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+        t[torch.rand((rows, K), device=device, generator=g) < 0.05] = -1
+        topks.append(t)
+    slots = [torch.empty((rows, K), dtype=torch.int32, device=device) for _ in range(sets)]
+    counts = [torch.empty((rows,), dtype=torch.int32, device=device) for _ in range(sets)]
+    return {"bt": bt, "req": req, "topk": topks, "slots": slots, "counts": counts}
+
+
+def convert_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tuple[int, ...]) -> None:
+    """The converter vs a device copy of the same bytes (rows*K int32 read + written)."""
+    from vllm_kimi_dsa.convert import convert_topk
+
+    dev = suite.device
+    for rows in rows_list:
+        sets = 4
+        inp = convert_inputs(rows, sets, dev, data.base_rows)
+        what = {"section": "convert", "kernel": "convert", "rows": rows}
+
+        def run() -> dict[str, Any]:
+            calls = [lambda s=s: convert_topk(inp["topk"][s], inp["req"], inp["bt"], block_size=BLOCK,
+                                              rows_per_block_stride=BLOCK, slots=inp["slots"][s],
+                                              counts=inp["counts"][s]) for s in range(sets)]
+            us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
+            copies = [lambda s=s: inp["slots"][s].copy_(inp["topk"][s]) for s in range(sets)]
+            us_copy = cuda_graph_time_us(copies, reps_time_s=suite.args.reps_time)
+            nbytes = rows * K * 4 * 2
+            return {**what, "us": round(us, 3), "copy_us": round(us_copy, 3), "vs_copy": round(us / us_copy, 2),
+                    "bytes": nbytes, "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
+                    "floor_us": round(nbytes / (ceil["copy_GBps"] * 1e9) * 1e6, 3)}
+
+        rec = suite.guarded(what, run)
+        if rec is not None:
+            suite.results.append(rec)
+            log(f"{suite.elapsed()} convert rows={rows:<4} {rec['us']:8.2f} us vs copy {rec['copy_us']:8.2f} us "
+                f"(x{rec['vs_copy']})")
+        del inp
+    suite.dump()
+
+
+def fused_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[tuple[int, int], ...]) -> None:
+    """convert_topk + triton fp8 decode in one CUDA graph vs the decode alone (same slots)."""
+    from vllm_kimi_dsa.convert import convert_topk
+
+    dev = suite.device
+    for rows, heads in sizes:
+        sets = n_sets(rows)
+        inp = convert_inputs(rows, sets, dev, data.base_rows)
+        qin = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=False)
+        what = {"section": "fused", "kernel": "convert+triton/fp8", "rows": rows, "heads": heads}
+
+        def run() -> dict[str, Any]:
+            call = triton_kernel("fp8", heads, rows, dev)
+
+            def both(s: int) -> None:
+                convert_topk(inp["topk"][s], inp["req"], inp["bt"], block_size=BLOCK, rows_per_block_stride=BLOCK,
+                             slots=inp["slots"][s], counts=inp["counts"][s])
+                call(qin["q8"][s], data.window("fp8", s), inp["slots"][s], inp["counts"][s], qin["outs"][s])
+
+            us_both = cuda_graph_time_us([lambda s=s: both(s) for s in range(sets)], reps_time_s=suite.args.reps_time)
+            us_dec = cuda_graph_time_us(
+                [lambda s=s: call(qin["q8"][s], data.window("fp8", s), inp["slots"][s], inp["counts"][s],
+                                  qin["outs"][s]) for s in range(sets)], reps_time_s=suite.args.reps_time)
+            m = metrics(rows, heads, us_both, "fp8", 1, "fp8qk", ceil)
+            return {**what, "fmt": "fp8", "sets": sets, **m, "decode_us": round(us_dec, 3),
+                    "convert_overhead_us": round(us_both - us_dec, 3)}
+
+        rec = suite.guarded(what, run)
+        if rec is not None:
+            suite.record(rec)
+            log(f"{' ' * 9}decode alone {rec['decode_us']:.2f} us; convert adds {rec['convert_overhead_us']:.2f} us")
+        del inp, qin
+    suite.dump()
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summary_table(results: list[dict[str, Any]], rows_show: tuple[int, ...] = (1, 5, 20, 80, 320)) -> str:
+    dec = [r for r in results if r.get("section") == "decode"]
+    kernels = sorted({r["kernel"] for r in dec})
+    lines = []
+    for heads in sorted({r["heads"] for r in dec}, reverse=True):
+        lines.append(f"H={heads}: µs per call (TFLOP/s-eq)")
+        lines.append(f"  {'kernel':<22}" + "".join(f"{r:>16}" for r in rows_show))
+        for k in kernels:
+            cells = []
+            for rw in rows_show:
+                hit = [r for r in dec if r["kernel"] == k and r["heads"] == heads and r["rows"] == rw]
+                cells.append(f"{hit[0]['us']:>8.1f} ({hit[0]['tflops']:>5.0f})" if hit else f"{'-':>16}")
+            lines.append(f"  {k:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of batch sizes (argparse type): each an int >= 1, at least one."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, got {text!r}")
+    return values
+
+
+def _head_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of head counts (argparse type), each one the core supports."""
+    from vllm_kimi_dsa.core import SUPPORTED_HEADS
+
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    bad = [h for h in values if h not in SUPPORTED_HEADS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected head counts among {SUPPORTED_HEADS}, got {text!r}")
+    return values
+
+
+def _peer_kvs(text: str) -> tuple[str, ...]:
+    """A comma-separated list of the peer's KV dtypes (argparse type)."""
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values or any(v not in PEER_KV for v in values):
+        raise argparse.ArgumentTypeError(f"expected KV dtypes among {PEER_KV}, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options, on `ap` (its own parser, or the `bench` subcommand of python -m vllm_kimi_dsa)."""
+    ap.add_argument("--out", required=True, help="directory for bench_suite.json")
+    ap.add_argument("--quick", action="store_true", help="a subset (< 60 s on an H200)")
+    ap.add_argument("--no-peer", action="store_true", help="skip FlashInfer's fa3 peer")
+    ap.add_argument("--peer-kv", type=_peer_kvs, default=None, help="peer KV dtypes (default bf16,fp8; quick: bf16)")
+    ap.add_argument("--rows", type=batch_sizes, default=None, help="override the batch sizes, comma-separated")
+    ap.add_argument("--heads", type=_head_counts, default=None, help="override the head counts, comma-separated")
+    ap.add_argument("--reps-time", type=_positive_float, default=None, help="seconds of graph replays per point")
+    ap.add_argument("--even", action="store_true",
+                    help="also triton-even/fp8: the same kernel objects planned without lead plans (an A/B)")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse the suite's options and run it; exit status 2 (argparse's usage error) without a CUDA GPU."""
+    ap = build_parser(prog)
+    return run(ap.parse_args(argv), ap.error)
+
+
+def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
+    """Run the suite for parsed options; `error` is the parser's (usage + message, exit 2)."""
+    if not torch.cuda.is_available():
+        # A usage error rather than a failure: the suite times CUDA graphs, there is nothing to measure here.
+        error("needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
+              "run it on a GPU machine")
+    if args.reps_time is None:
+        args.reps_time = 0.03 if args.quick else 0.06
+    suite = Suite(args)
+    dev = suite.device
+    rows_list = (QUICK_ROWS if args.quick else FULL_ROWS) if args.rows is None else args.rows
+    heads_list = (QUICK_HEADS if args.quick else FULL_HEADS) if args.heads is None else args.heads
+    rows_list = tuple(sorted(set(rows_list)))
+
+    # The peer: start its JIT builds first so they overlap everything else.
+    default_kv = ("bf16",) if args.quick else PEER_KV
+    peer_kinds = [] if args.no_peer else list(default_kv if args.peer_kv is None else args.peer_kv)
+    builds: PeerBuilds | None = None
+    peer_note = "skipped (--no-peer)" if args.no_peer else ""
+    if peer_kinds:
+        peer_mod = peer_module()
+        if peer_mod is None:
+            peer_note = f"skipped: no {PEER_DIR / 'peer_fa3.py'} (an installed package; the peer runs from a checkout)"
+            log(f"peer: {peer_note}")
+        else:
+            ok, why = peer_mod.available()
+            if ok:
+                builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True))
+                peer_note = f"flashinfer {why}"
+            else:
+                peer_note = f"skipped: FlashInfer not importable here ({why})"
+                log(f"peer: {peer_note}")
+
+    import triton
+
+    props = torch.cuda.get_device_properties(dev)
+    suite.info = {
+        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "flashinfer": peer_note, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
+            timespec="seconds"), "argv": sys.argv[1:], "quick": args.quick, "K": K, "block_size": BLOCK,
+        "scales": {"scale": SCALE, "q_scale": Q_SCALE, "k_scale": K_SCALE},
+        "timing": "CUDA graph over `sets` input sets (queries, outputs, cache windows), median replay / sets",
+        "floor": "max((KV + query + latent bytes) / copy_GBps, flops / matmul rate of the kernel's compute dtype: "
+                 "triton = Q.K at the FP8 rate + P.V at the BF16 rate; peer and torch = BF16)",
+        "tflops": "2*rows*H*K*(576+512)/t", "kv_GBps": "rows*K*row_bytes/t",
+    }
+    log(json.dumps(suite.info))
+    ceil = ceilings(dev, args.quick)
+    suite.info["ceilings"] = ceil
+    log(f"{suite.elapsed()} ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), bf16 {ceil['bf16_TFLOPs']:.0f} "
+        f"TFLOP/s, fp8 {ceil['fp8_TFLOPs'] or float('nan'):.0f} TFLOP/s")
+
+    base_rows = (1 << 20) if args.quick else (1 << 21)  # 2^21 rows: 320 requests' 2K tokens in distinct blocks
+    data = Data(dev, base_rows, shift=4096, with_bf16=bool(builds))
+    suite.info["cache"] = {"base_rows": base_rows, "shift_rows": data.shift, "total_rows": data.total,
+                           "bytes": data.nbytes()}
+    log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
+    suite.dump()
+
+    ours = ["triton/fp8", "triton/nvfp4_ds_mla"] + (["triton-even/fp8"] if args.even else [])
+    decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
+    if not args.quick:
+        torch_section(suite, data, ceil, TORCH_SIZES)
+    convert_section(suite, data, ceil, rows_list if not args.quick else (5, 320))
+    fused_section(suite, data, ceil, FUSED_SIZES if not args.quick else ((5, 128), (320, 128)))
+
+    peer: dict[str, Any] | None = None
+    kinds = list(ours)
+    if builds is not None:
+        log(f"{suite.elapsed()} waiting for the peer builds")
+        b = builds.wait()
+        peer = {}
+        for kv, res in b.items():
+            res["usable_heads"] = {h: peer_heads_ok(res, h) for h in heads_list}
+            peer[kv] = res
+            log(f"{suite.elapsed()} peer {kv}: rc={res['rc']} wall={res['wall_s']}s usable heads "
+                f"{[h for h, ok in res['usable_heads'].items() if ok]} {res['tail'][-300:]}")
+        suite.info["peer_builds"] = {kv: {k: v for k, v in res.items()} for kv, res in peer.items()}
+        suite.info["peer_builds"] = json.loads(json.dumps(suite.info["peer_builds"], default=str))
+        suite.dump()
+        peer_kinds_ok = [f"fa3/{kv}" for kv in peer if any(peer[kv]["usable_heads"].values())]
+        decode_section(suite, data, ceil, rows_list, heads_list, peer_kinds_ok, peer)
+        kinds += peer_kinds_ok
+    accuracy_section(suite, data, QUICK_ERROR_SIZES if args.quick else ERROR_SIZES, kinds, peer)
+
+    suite.info["wall_s"] = round(time.perf_counter() - suite.t0, 1)
+    suite.dump()
+    log(summary_table(suite.results))
+    for a in suite.accuracy:
+        log(f"accuracy {a['kernel']:<22} rows={a['rows']:<4} H={a['heads']:<4} rel L2 {a['rel_l2']:.2e}")
+    log(f"failures: {len(suite.failures)}; wall {suite.info['wall_s']} s; wrote {suite.out_dir / 'bench_suite.json'}")
+    return 0 if not suite.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
