@@ -211,8 +211,9 @@ def test_cache_block_size_mismatch(setup):
 
 def test_trtllm_block_size_not_32_or_64_compatible():
     # TrtllmDecode cannot be built on a CPU (cubins, SM count): its page check runs first in __call__.
-    flashinfer_kernels = pytest.importorskip("vllm_kimi_dsa.kernels.flashinfer")
-    kernel = object.__new__(flashinfer_kernels.TrtllmDecode)
+    from vllm_kimi_dsa.backends.flashinfer.trtllm import TrtllmDecode
+
+    kernel = object.__new__(TrtllmDecode)
     rows = torch.zeros((16 * 48, 576), dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"block_size=48"):
         kernel(None, rows, None, None, None, None, block_size=48, rows_per_block_stride=48)

@@ -1,4 +1,4 @@
-"""dispatch: spec strings, kernel_for's rules, fi_kernels per machine, plan_rows_for, kernel-table files.
+"""selection: spec strings, kernel_for's rules, fi_kernels per machine, plan_rows_for, kernel-table files.
 
 Pure Python; the FlashInfer / GPU probes are monkeypatched so every machine case runs on a CPU.
 """
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import vllm_kimi_dsa.dispatch as d
-from vllm_kimi_dsa.dispatch import (
+import vllm_kimi_dsa.selection.choice as choice
+import vllm_kimi_dsa.selection.specs as d
+from vllm_kimi_dsa.selection import (
     FI_KERNEL,
     KERNELS,
     fi_kernels,
@@ -140,10 +141,9 @@ def test_kernel_for_head_rules():
     # H <= 64 keeps trtllm
     for heads in (12, 16, 64):
         assert kernel_for(4, 1, ks, heads, want_trtllm) == "trtllm"
-    # H > 128: only triton
-    assert kernel_for(4, 1, ks, 256, want_trtllm) == "triton"
-    with pytest.raises(ValueError, match=r"kernels.*heads=256.*prims_ts.*128"):
-        kernel_for(4, 1, ("prims_ts", "trtllm"), 256)
+    # H > 128: no kernel takes it (the Triton kernel too stops at 128, heads.py)
+    with pytest.raises(ValueError, match=r"kernels.*heads=256.*prims_ts.*128.*triton takes 1 to 128"):
+        kernel_for(4, 1, ks, 256, want_trtllm)
 
 
 def test_kernel_for_128_heads():
@@ -214,9 +214,9 @@ def _machine(monkeypatch, *, blackwell: bool, features: Features | None, triton:
         calls["features"] += 1
         return features
 
-    monkeypatch.setattr(d, "_is_blackwell", lambda device: blackwell)
-    monkeypatch.setattr(d, "_features", features_probe)
-    monkeypatch.setattr(d, "_triton_runs", lambda device: triton)
+    monkeypatch.setattr(choice, "_is_blackwell", lambda device: blackwell)
+    monkeypatch.setattr(choice, "_features", features_probe)
+    monkeypatch.setattr(choice, "triton_runs", lambda device: triton)
     return calls
 
 
@@ -264,7 +264,7 @@ def test_fi_kernels_bad_dtype(monkeypatch):
 def test_fi_kernels_real_probes_on_cpu(monkeypatch):
     """The unpatched probes on a CPU: nothing Blackwell; triton only under the interpreter."""
     cpu = torch.device("cpu")
-    assert not d._is_blackwell(cpu)
+    assert not choice._is_blackwell(cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fi_kernels("fp8", cpu) == ("triton",)
     assert fi_kernels("nvfp4_ds_mla", "cpu") == ("triton",)

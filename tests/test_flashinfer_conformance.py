@@ -1,4 +1,4 @@
-"""Every FlashInfer call of kernels/flashinfer.py, checked against the installed FlashInfer's own rules on a CPU.
+"""Every FlashInfer call of backends/flashinfer/, checked against the installed FlashInfer's own rules on a CPU.
 
 FlashInfer's Python (plan, workspace sizing, run's checks, trtllm's dispatch) runs for real;
 only the GPU boundary is replaced: the prims_ts JIT (`mla_decode._get_compiled_mla_decode`)
@@ -40,10 +40,12 @@ from flashinfer.mla._batch_mla._backends import trtllm_gen_backend  # noqa: E402
 import flashinfer.utils as fi_utils  # noqa: E402
 from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes, log2e  # noqa: E402
 
-import vllm_kimi_dsa.kernels.flashinfer as kfi  # noqa: E402
+import vllm_kimi_dsa.backends.flashinfer.features as fi_features  # noqa: E402
+import vllm_kimi_dsa.backends.flashinfer.prims_ts as fi_prims_ts  # noqa: E402
+import vllm_kimi_dsa.backends.flashinfer.trtllm as fi_trtllm  # noqa: E402
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, make_paged_cache, flat_kv_row_view  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
-from vllm_kimi_dsa.plans import PLANS, PRIMS_TS_FORMAT, PlanKey  # noqa: E402
+from vllm_kimi_dsa.backends.flashinfer.plans import PLANS, PRIMS_TS_FORMAT, PlanKey  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)
 # The real entry points, taken before any test spies on them.
@@ -170,8 +172,8 @@ def fake_blackwell(monkeypatch):
         return real_trt(*args, **kwargs)
 
     monkeypatch.setattr(fi_decode, "trtllm_batch_decode_with_kv_cache_mla", trt_spy)
-    monkeypatch.setattr(kfi, "_TRTLLM_COUNTERS", {})
-    monkeypatch.setattr(kfi, "_TRTLLM_WORKSPACES", {})
+    monkeypatch.setattr(fi_trtllm, "_TRTLLM_COUNTERS", {})
+    monkeypatch.setattr(fi_trtllm, "_TRTLLM_WORKSPACES", {})
     PLANS.clear()
     yield rec
     PLANS.clear()
@@ -216,7 +218,7 @@ def _bound(fn, args, kwargs):
 def test_prims_ts_calls_follow_flashinfer(fake_blackwell, fmt, heads):
     rec = fake_blackwell
     setup = _setup(fmt, heads)
-    kernel = kfi.PrimsTsDecode(setup)
+    kernel = fi_prims_ts.PrimsTsDecode(setup)
 
     # One plan per (plan rows, width), one workspace-size query per plan, nothing planned twice.
     plan_rows = {1: 8, 5: 8, 20: 32}
@@ -283,7 +285,7 @@ def test_prims_ts_calls_follow_flashinfer(fake_blackwell, fmt, heads):
 
 def test_prims_ts_without_lse_uses_plan_scratch(fake_blackwell):
     rec = fake_blackwell
-    kernel = kfi.PrimsTsDecode(_setup(lse=False, row_counts=(3,), capacities=(), widths=(256,)))
+    kernel = fi_prims_ts.PrimsTsDecode(_setup(lse=False, row_counts=(3,), capacities=(), widths=(256,)))
     gen = torch.Generator().manual_seed(3)
     query, kv_rows, slots, counts, out, _, stride = _inputs("fp8", 3, 128, 256, gen)
     allocations = rec.cuda_allocations
@@ -298,7 +300,7 @@ def test_prims_ts_without_lse_uses_plan_scratch(fake_blackwell):
 
 
 def test_prims_ts_rejects_unplanned_calls(fake_blackwell):
-    kernel = kfi.PrimsTsDecode(_setup(row_counts=(4,), capacities=(), widths=(128,)))
+    kernel = fi_prims_ts.PrimsTsDecode(_setup(row_counts=(4,), capacities=(), widths=(128,)))
     gen = torch.Generator().manual_seed(4)
     query, kv_rows, slots, counts, out, lse, stride = _inputs("fp8", 4, 128, 128, gen)
     with pytest.raises(ValueError, match="width=256"):
@@ -307,24 +309,24 @@ def test_prims_ts_rejects_unplanned_calls(fake_blackwell):
     with pytest.raises(ValueError, match="rows=2"):
         kernel(query[:2], kv_rows, slots[:2], counts[:2], out[:2], lse[:2], block_size=64, rows_per_block_stride=stride)
     with pytest.raises(ValueError, match="heads=129"):
-        kfi.PrimsTsDecode(_setup(heads=129))
+        fi_prims_ts.PrimsTsDecode(_setup(heads=129))
 
 
 def test_prims_ts_missing_in_0_7_2(fake_blackwell, monkeypatch):
     """vLLM's pin (0.7.2.post1) has no prims_ts: construction says what to install; trtllm still builds."""
-    monkeypatch.setattr(kfi, "flashinfer_features", lambda: kfi.FlashInferFeatures("0.7.2.post1", False, True))
+    monkeypatch.setattr(fi_features, "flashinfer_features", lambda: fi_features.FlashInferFeatures("0.7.2.post1", False, True))
     with pytest.raises(ImportError, match=r"pip install --no-deps flashinfer-python==0\.7\.4"):
-        kfi.PrimsTsDecode(_setup())
+        fi_prims_ts.PrimsTsDecode(_setup())
     with pytest.raises(ImportError, match="0.7.2.post1"):
         PLANS.plan([PlanKey(CUDA0, 1, 128, True, "fp8", 128)])
-    kfi.TrtllmDecode(_setup(row_counts=(1, 4), capacities=()))
+    fi_trtllm.TrtllmDecode(_setup(row_counts=(1, 4), capacities=()))
 
 
 def test_flashinfer_features_of_the_installed_version():
-    f = kfi.flashinfer_features()
+    f = fi_features.flashinfer_features()
     assert f.version == fi.__version__
     assert f.prims_ts and f.trtllm_mla  # this CI installs 0.7.4
-    assert not kfi.device_runs_blackwell("cpu")
+    assert not fi_features.device_runs_blackwell("cpu")
 
 
 # ------------------------------------------------------------------ trtllm-gen
@@ -336,7 +338,7 @@ def test_trtllm_calls_follow_flashinfer(fake_blackwell, heads, block_size, strid
     rec = fake_blackwell
     impl = types.SimpleNamespace(_workspace_buffer=None, qk_nope_head_dim=128)
     setup = _setup("fp8", heads, row_counts=(1, 5, 20), capacities=(), widths=(128, 2048), impl=impl)
-    kernel = kfi.TrtllmDecode(setup)
+    kernel = fi_trtllm.TrtllmDecode(setup)
     gen = torch.Generator().manual_seed(heads + block_size)
     for rows in (1, 5, 20):
         for width in setup.widths:
@@ -373,7 +375,7 @@ def test_trtllm_calls_follow_flashinfer(fake_blackwell, heads, block_size, strid
             assert counter is kernel.counter and counter.data_ptr() % 16 == 0
             assert counter.numel() >= get_trtllm_gen_multi_ctas_kv_counter_bytes(rows, heads, SM_COUNT)
             assert native["workspace_size"] == kernel.workspace.numel() * kernel.workspace.element_size()
-            assert native["workspace_size"] >= kfi.trtllm_lse_slab_bytes(rows, heads)
+            assert native["workspace_size"] >= fi_trtllm.trtllm_lse_slab_bytes(rows, heads)
             assert native["lse"].data_ptr() == lse.data_ptr() and native["lse"].dim() == 2
             assert native["lse"].dtype == torch.float32
             assert native["lse_scale"] == pytest.approx(1.0 / log2e)  # natural-log LSE
@@ -388,12 +390,12 @@ def test_trtllm_calls_follow_flashinfer(fake_blackwell, heads, block_size, strid
 def test_trtllm_argument_rules(fake_blackwell):
     for heads in (96, 129):
         with pytest.raises(ValueError, match=f"heads={heads}"):
-            kfi.TrtllmDecode(_setup("fp8", heads))
+            fi_trtllm.TrtllmDecode(_setup("fp8", heads))
     with pytest.raises(ValueError, match="nvfp4_ds_mla"):
-        kfi.TrtllmDecode(_setup("nvfp4_ds_mla"))
+        fi_trtllm.TrtllmDecode(_setup("nvfp4_ds_mla"))
     with pytest.raises(ValueError, match="multiple of 4"):
-        kfi.TrtllmDecode(_setup(widths=(130,)))
-    kernel = kfi.TrtllmDecode(_setup(row_counts=(2,), capacities=(), widths=(128,)))
+        fi_trtllm.TrtllmDecode(_setup(widths=(130,)))
+    kernel = fi_trtllm.TrtllmDecode(_setup(row_counts=(2,), capacities=(), widths=(128,)))
     gen = torch.Generator().manual_seed(5)
     query, kv_rows, slots, counts, out, lse, _ = _inputs("fp8", 2, 128, 128, gen, block_size=48)
     with pytest.raises(ValueError, match="block_size=48"):
@@ -404,8 +406,8 @@ def test_trtllm_argument_rules(fake_blackwell):
 
 
 def test_trtllm_uses_vllms_workspace_when_large_enough(fake_blackwell):
-    big = fake(torch.zeros(kfi.TRTLLM_BASE_WORKSPACE_BYTES + kfi.trtllm_lse_slab_bytes(8, 64), dtype=torch.int8))
+    big = fake(torch.zeros(fi_trtllm.TRTLLM_BASE_WORKSPACE_BYTES + fi_trtllm.trtllm_lse_slab_bytes(8, 64), dtype=torch.int8))
     impl = types.SimpleNamespace(_workspace_buffer=big, qk_nope_head_dim=128)
-    assert kfi.TrtllmDecode(_setup(heads=64, row_counts=(8,), capacities=(), impl=impl)).workspace is big
+    assert fi_trtllm.TrtllmDecode(_setup(heads=64, row_counts=(8,), capacities=(), impl=impl)).workspace is big
     # Too small for the LSE slab of 128 heads x 8 rows: a workspace of its own.
-    assert kfi.TrtllmDecode(_setup(heads=128, row_counts=(8,), capacities=(), impl=impl)).workspace is not big
+    assert fi_trtllm.TrtllmDecode(_setup(heads=128, row_counts=(8,), capacities=(), impl=impl)).workspace is not big

@@ -21,7 +21,8 @@ def _blackwell() -> bool:
 pytestmark = pytest.mark.skipif(not _blackwell(), reason="FlashInfer's prims_ts / trtllm-gen kernels need an SM100/SM103 GPU")
 
 if _blackwell():
-    kfi = pytest.importorskip("vllm_kimi_dsa.kernels.flashinfer")
+    fi_prims_ts = pytest.importorskip("vllm_kimi_dsa.backends.flashinfer.prims_ts")
+    fi_trtllm = pytest.importorskip("vllm_kimi_dsa.backends.flashinfer.trtllm")
     pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
 
 DEVICE = torch.device("cuda", 0)
@@ -108,14 +109,14 @@ def _run_checked(kernel, args, fmt, block_size):
 @pytest.mark.parametrize("rows", [1, 5, 20, 80])
 def test_prims_ts_matches_reference(fmt, heads, rows):
     args = _case(fmt, rows, heads, 2048, holes_in_prefix=True, seed=rows * 131 + heads)
-    kernel = kfi.PrimsTsDecode(_setup(fmt, heads, rows, 2048))
+    kernel = fi_prims_ts.PrimsTsDecode(_setup(fmt, heads, rows, 2048))
     _run_checked(kernel, args, fmt, 64)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4_ds_mla"])
 def test_prims_ts_width_128_and_no_capacities(fmt):
     args = _case(fmt, 7, 64, 128, holes_in_prefix=True, seed=7)
-    kernel = kfi.PrimsTsDecode(_setup(fmt, 64, 7, 128, capacities=()))
+    kernel = fi_prims_ts.PrimsTsDecode(_setup(fmt, 64, 7, 128, capacities=()))
     _run_checked(kernel, args, fmt, 64)
 
 
@@ -124,5 +125,5 @@ def test_prims_ts_width_128_and_no_capacities(fmt):
 @pytest.mark.parametrize("block_stride", [64, 96])  # pages of 64, then of 32 rows
 def test_trtllm_matches_reference(heads, rows, block_stride):
     args = _case("fp8", rows, heads, 2048, holes_in_prefix=False, block_stride=block_stride, seed=rows + heads)
-    kernel = kfi.TrtllmDecode(_setup("fp8", heads, rows, 2048, capacities=()))
+    kernel = fi_trtllm.TrtllmDecode(_setup("fp8", heads, rows, 2048, capacities=()))
     _run_checked(kernel, args, "fp8", 64)

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from vllm_kimi_dsa.dispatch import fi_kernels, kernel_for
+from vllm_kimi_dsa.selection import fi_kernels, kernel_for
 from vllm_kimi_dsa.formats import LATENT_DIM
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step
 from vllm_kimi_dsa.vllm_glue import KimiDSACores

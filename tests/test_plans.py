@@ -1,4 +1,4 @@
-"""The prims_ts plan registry (plans.py): keys, sharing, no re-planning, one workspace = max over plans, _offsets.
+"""The prims_ts plan registry (backends/flashinfer/plans.py): keys, sharing, no re-planning, one workspace = max over plans, _offsets.
 
 FlashInfer's wrapper is replaced by a recorder with a known workspace rule, so this runs anywhere
 (the real wrapper's arguments are checked in test_flashinfer_conformance.py). CPU time: < 1 s.
@@ -12,9 +12,10 @@ import types
 import pytest
 import torch
 
-import vllm_kimi_dsa.kernels.flashinfer as kfi
+import vllm_kimi_dsa.backends.flashinfer.features as fi_features
+import vllm_kimi_dsa.backends.flashinfer.prims_ts as fi_prims_ts
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.plans import PLANS, PlanKey, _offsets, _Plans, plan_arguments
+from vllm_kimi_dsa.backends.flashinfer.plans import PLANS, PlanKey, _offsets, _Plans, plan_arguments, qo_offsets
 
 CPU = torch.device("cpu")
 
@@ -46,7 +47,7 @@ def plans(monkeypatch):
     module.BatchSparseMLADecodePagedTSWrapper = FakeWrapper
     module.get_prims_ts_sparse_mla_decode_workspace_size = fake_size
     monkeypatch.setitem(sys.modules, "flashinfer.attention.prims_ts", module)
-    monkeypatch.setattr(kfi, "flashinfer_features", lambda: kfi.FlashInferFeatures("0.7.4", True, True))
+    monkeypatch.setattr(fi_features, "flashinfer_features", lambda: fi_features.FlashInferFeatures("0.7.4", True, True))
     FakeWrapper.instances = []
     PLANS.clear()
     yield PLANS
@@ -58,16 +59,18 @@ def key(rows=8, heads=128, lse=True, fmt="fp8", width=2048, device=CPU):
 
 
 def test_offsets():
-    off = _offsets(3, 8, "cpu")
+    """The seed's _offsets(capacity, rows, device) is qo_offsets."""
+    assert _offsets is qo_offsets
+    off = _offsets(8, 3, "cpu")
     assert off.dtype == torch.int32 and off.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert _offsets(4, 4, "cpu").tolist() == [0, 1, 2, 3, 4]
-    assert _offsets(0, 2, "cpu").tolist() == [0, 0, 0]
+    assert _offsets(2, 0, "cpu").tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="rows=9 exceeds the plan capacity=8"):
-        _offsets(9, 8, "cpu")
+        _offsets(8, 9, "cpu")
     with pytest.raises(ValueError, match="rows"):
-        _offsets(-1, 8, "cpu")
+        _offsets(8, -1, "cpu")
     with pytest.raises(ValueError, match="capacity"):
-        _offsets(1, 0, "cpu")
+        _offsets(0, 1, "cpu")
 
 
 def test_plan_arguments_and_key_rules():
@@ -144,7 +147,7 @@ def _setup(widths=(128, 2048), row_counts=(1, 3, 20), capacities=(4, 32), fmt="f
 
 
 def test_layers_share_plans_across_widths(plans):
-    layers = [kfi.PrimsTsDecode(_setup()) for _ in range(5)]
+    layers = [fi_prims_ts.PrimsTsDecode(_setup()) for _ in range(5)]
     # rows 1 and 3 share the capacity-4 plan; 20 takes the 32 one; times two widths.
     assert plans.plan_calls == 4 and len(plans.keys()) == 4
     for rw in ((1, 128), (3, 128), (20, 2048)):
@@ -153,14 +156,14 @@ def test_layers_share_plans_across_widths(plans):
     assert layers[0]._wrappers[(1, 128)] is not layers[0]._wrappers[(1, 2048)]
     assert layers[0]._qo_indptr[3].tolist() == [0, 1, 2, 3, 3]
     # Another layer kind (other heads / format) adds only its own plans, on the same workspace.
-    kfi.PrimsTsDecode(_setup(fmt="nvfp4_ds_mla"))
+    fi_prims_ts.PrimsTsDecode(_setup(fmt="nvfp4_ds_mla"))
     assert plans.plan_calls == 8
     assert len({id(plans.get(k)._workspace_buffer) for k in plans.keys()}) == 1
 
 
 def test_no_capacities_plans_each_row_count(plans):
-    layer = kfi.PrimsTsDecode(_setup(row_counts=(2, 5), capacities=(), widths=(256,)))
+    layer = fi_prims_ts.PrimsTsDecode(_setup(row_counts=(2, 5), capacities=(), widths=(256,)))
     assert layer.plan_rows == {2: 2, 5: 5}
     assert sorted(k.plan_rows for k in plans.keys()) == [2, 5]
     with pytest.raises(ValueError, match="rows=40"):
-        kfi.PrimsTsDecode(_setup(row_counts=(40,), capacities=(4, 32)))
+        fi_prims_ts.PrimsTsDecode(_setup(row_counts=(40,), capacities=(4, 32)))

@@ -108,34 +108,6 @@ def test_zero_rows_return_empty_views() -> None:
     assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
 
 
-def test_trtllm_rows_without_tokens_get_zero_and_minus_inf(monkeypatch) -> None:
-    """trtllm-gen leaves a finite LSE on a count-0 row; the step masks such rows as vLLM's FlashInfer impl does."""
-    monkeypatch.setattr("vllm_kimi_dsa.kernels.kernel_class", lambda name: _GarbageOnEmpty)
-    step = _layer_step(16, "fp8", return_lse=True, max_rows=4)
-    assert step._empty is None  # no trtllm in the table: nothing to mask
-    step = LayerStep(StandInImpl(_workspace_buffer=torch.zeros(1)), StandInLayer(), step.shape,
-                     kernels=dict.fromkeys(range(1, 5), "trtllm"))
-    inputs = _vllm_inputs(3, 16, "fp8", seed=9)
-    out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
-    assert int(inputs[2][0]) == 0
-    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
-    assert torch.isfinite(lse[1:]).all() and (out[1:] == 7).all()
-
-
-class _GarbageOnEmpty:
-    """A trtllm-gen stand-in: writes 7 everywhere and a finite LSE even on count-0 rows."""
-
-    name = "trtllm"
-
-    def __init__(self, setup) -> None:
-        self.setup = setup
-
-    def __call__(self, query, kv_rows, slots, counts, out, lse, *, block_size, rows_per_block_stride) -> None:
-        out.fill_(7.0)
-        if lse is not None:
-            lse.fill_(3.0)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("fmt", FORMATS)

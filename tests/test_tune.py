@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-import vllm_kimi_dsa.dispatch as d
-from vllm_kimi_dsa.dispatch import FI_KERNEL, kernel_for, kernel_from_spec, load_kernel_table, parse_kernel_spec
+import vllm_kimi_dsa.selection.specs as d
+from vllm_kimi_dsa.selection import FI_KERNEL, kernel_for, kernel_from_spec, load_kernel_table, parse_kernel_spec
 from vllm_kimi_dsa.tune import fastest, main, merge_spec, rotation_sets, tune
 
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 320)

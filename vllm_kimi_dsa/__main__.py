@@ -58,7 +58,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _head_count(text: str) -> int:
-    from vllm_kimi_dsa.core import SUPPORTED_HEADS
+    from vllm_kimi_dsa.heads import SUPPORTED_HEADS
 
     value = _int(text)
     if value not in SUPPORTED_HEADS:
@@ -74,7 +74,7 @@ def _top_k_width(text: str) -> int:
 
 
 def _kernel_names(text: str) -> tuple[str, ...]:
-    from vllm_kimi_dsa.dispatch import KERNELS
+    from vllm_kimi_dsa.selection import KERNELS
 
     names = tuple(k for k in text.split(",") if k)  # split as tune.main splits it, so both see the same names
     bad = [k for k in names if k not in KERNELS]
@@ -87,7 +87,7 @@ def _kernel_names(text: str) -> tuple[str, ...]:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from vllm_kimi_dsa.dispatch import KERNELS
+    from vllm_kimi_dsa.selection import KERNELS
 
     p = sub.add_parser("demo", help="one synthetic K3.1 decode step through the core, checked against the reference",
                        description=run_demo.__doc__)
@@ -151,7 +151,7 @@ def run_demo(args: argparse.Namespace, gpu: bool, error: ErrorFn) -> int:
     import torch
 
     from vllm_kimi_dsa.core import FlashInferCore
-    from vllm_kimi_dsa.dispatch import KERNELS, fi_kernels, kernel_for
+    from vllm_kimi_dsa.selection import KERNELS, fi_kernels, kernel_for
     from vllm_kimi_dsa.formats import LATENT_DIM
     from vllm_kimi_dsa.reference import reference_decode
     from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_buffers, make_step

@@ -603,7 +603,7 @@ def batch_sizes(text: str) -> tuple[int, ...]:
 
 def _head_counts(text: str) -> tuple[int, ...]:
     """A comma-separated list of head counts (argparse type), each one the core supports."""
-    from vllm_kimi_dsa.core import SUPPORTED_HEADS
+    from vllm_kimi_dsa.heads import SUPPORTED_HEADS
 
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())

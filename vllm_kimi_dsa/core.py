@@ -12,7 +12,6 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from vllm_kimi_dsa.convert import convert_topk
-from vllm_kimi_dsa.dispatch import KERNELS, plan_rows_for
 from vllm_kimi_dsa.formats import (
     HEAD_DIM,
     LATENT_DIM,
@@ -22,16 +21,9 @@ from vllm_kimi_dsa.formats import (
     normalize_format,
     row_bytes,
 )
+from vllm_kimi_dsa.heads import SUPPORTED_HEADS, heads_refusal
 from vllm_kimi_dsa.kernels import DecodeKernel, DecodeSetup, build_kernel
-
-SUPPORTED_HEADS = (128, 96, 64, 32, 16, 12)
-# Heads each kernel takes (SPEC 2): prims_ts at most 128; trtllm-gen <= 64 or exactly 128.
-_KERNEL_HEADS = {
-    "prims_ts": lambda h: h <= 128,
-    "trtllm": lambda h: h <= 64 or h == 128,
-    "triton": lambda h: h >= 1,
-}
-
+from vllm_kimi_dsa.selection import KERNELS, plan_rows_for
 
 @dataclass(frozen=True)
 class Buffers:
@@ -195,8 +187,9 @@ class FlashInferCore:
                 raise ValueError(f"kernels: batch size {rows!r} must be an int in [1, {self.max_rows}]")
             if name not in KERNELS:
                 raise ValueError(f"kernels[{rows}]={name!r} is not a kernel this core runs; expected one of {KERNELS}")
-            if not _KERNEL_HEADS[name](self.heads):
-                raise ValueError(f"kernels[{rows}]={name!r} cannot take heads={self.heads}")
+            refusal = heads_refusal(name, self.heads)
+            if refusal:
+                raise ValueError(f"kernels[{rows}]={name!r} cannot take heads={self.heads}: {refusal}")
             if name == "trtllm" and self.fmt != "fp8":
                 raise ValueError(f"kernels[{rows}]='trtllm' reads only the fp8 cache, not {self.fmt}")
             if name == "prims_ts":

@@ -28,11 +28,11 @@ def kernel_table(
     """{rows: kernel name} for every batch size, as the core wants it.
 
     table: a {rows: name} mapping used as is; or a measured table file
-        (`dispatch.load_kernel_table`: {"tp": spec, "dcp": spec}); None: the file named by
-        env VLLM_KIMI_DSA_KERNEL_TABLE, else the built-in FI_KERNEL (dispatch.kernel_for).
+        (`selection.load_kernel_table`: {"tp": spec, "dcp": spec}); None: the file named by
+        env VLLM_KIMI_DSA_KERNEL_TABLE, else the built-in FI_KERNEL (selection.kernel_for).
         Either way `kernel_for` picks among what `fi_kernels` says this machine runs.
     """
-    from vllm_kimi_dsa import dispatch
+    from vllm_kimi_dsa import selection
 
     sizes = sorted({int(r) for r in batch_sizes})
     if not sizes or sizes[0] < 1:
@@ -42,9 +42,9 @@ def kernel_table(
         if missing:
             raise ValueError(f"kernels: batch sizes {missing} have no kernel in the given table")
         return {r: str(table[r]) for r in sizes}
-    measured = dispatch.load_kernel_table(table) if table is not None else None
-    available = dispatch.fi_kernels(kv_cache_dtype, device=torch.device(device))
-    return {r: dispatch.kernel_for(r, dcp, available, heads, table=measured) for r in sizes}
+    measured = selection.load_kernel_table(table) if table is not None else None
+    available = selection.fi_kernels(kv_cache_dtype, device=torch.device(device))
+    return {r: selection.kernel_for(r, dcp, available, heads, table=measured) for r in sizes}
 
 
 @dataclass(frozen=True)
@@ -147,10 +147,6 @@ class LayerStep:
             dcp=shape.dcp, rank=shape.rank, capacities=shape.capacities or None, widths=(shape.width,),
             kv_cache_dtype=shape.fmt,
         )
-        # trtllm-gen leaves a finite LSE (and a latent) on a row with no valid token; vLLM's DCP combine would weigh
-        # them, so those rows are set to 0 / -inf as vLLM's own FlashInfer impl does. The other kernels write 0 / -inf.
-        masks = "trtllm" in self.kernels.values() and shape.return_lse
-        self._empty = torch.empty((shape.max_rows,), dtype=torch.bool, device=shape.device) if masks else None
 
     def __call__(
         self,
@@ -194,13 +190,9 @@ class LayerStep:
         if rows == 0:
             lse = None if self.buffers.lse is None else self.buffers.lse[:0].view(0, self.shape.heads)
             return self.buffers.latent[:0].view(0, self.shape.heads, LATENT_DIM), lse
-        out, lse = self.core.decode(query, kv_cache, slots, counts, block_size)
-        if self._empty is not None and lse is not None:
-            empty = self._empty[:rows]
-            torch.eq(counts, 0, out=empty)
-            out.masked_fill_(empty.view(rows, 1, 1), 0.0)
-            lse.masked_fill_(empty.view(rows, 1), float("-inf"))
-        return out, lse
+        # Every kernel gives a row with no valid token latent 0 and LSE -inf (trtllm-gen's is masked after its call),
+        # which vLLM's DCP combine weighs as nothing.
+        return self.core.decode(query, kv_cache, slots, counts, block_size)
 
 
 __all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "shared_buffers"]

@@ -1,6 +1,6 @@
 """`python -m vllm_kimi_dsa tune`: time every decode kernel this machine runs per batch size, write the kernel table.
 
-The fastest kernel per batch size becomes one spec string per topology ("tp" / "dcp"), saved with dispatch.save_kernel_table.
+The fastest kernel per batch size becomes one spec string per topology ("tp" / "dcp"), saved with selection.save_kernel_table.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def _machine() -> dict[str, Any]:
 
 def _existing(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """The topologies (and their metadata) an existing table file already holds; a fresh file -> empty."""
-    from vllm_kimi_dsa.dispatch import TOPOLOGIES
+    from vllm_kimi_dsa.selection import TOPOLOGIES
 
     try:
         data = json.loads(path.read_text())
@@ -283,14 +283,14 @@ def _existing(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def default_kernels(kv_cache_dtype: str, device: str) -> tuple[str, ...]:
-    """Kernels this machine runs for the format: dispatch.fi_kernels minus "sparse", plus "triton" where Triton runs."""
-    from vllm_kimi_dsa.dispatch import KERNELS, _triton_runs, fi_kernels
+    """Kernels this machine runs for the format: selection.fi_kernels minus "sparse", plus "triton" where Triton runs."""
+    from vllm_kimi_dsa.selection import KERNELS, fi_kernels, triton_runs
 
     import torch
 
     dev = torch.device(device)
     found = [k for k in fi_kernels(kv_cache_dtype, device=dev) if k in KERNELS]
-    if "triton" not in found and _triton_runs(dev):
+    if "triton" not in found and triton_runs(dev):
         found.append("triton")
     return tuple(k for k in KERNELS if k in found)
 
@@ -321,7 +321,7 @@ def tune(
     """
     import torch
 
-    from vllm_kimi_dsa.dispatch import KERNELS, save_kernel_table
+    from vllm_kimi_dsa.selection import KERNELS, save_kernel_table
     from vllm_kimi_dsa.formats import normalize_format
 
     rows_t = tuple(sorted(set(int(r) for r in rows)))

@@ -11,8 +11,8 @@ from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup
 
 # name -> "module:Class"; every class follows the DecodeKernel protocol.
 _KERNEL_CLASSES: dict[str, str] = {
-    "prims_ts": "vllm_kimi_dsa.kernels.flashinfer:PrimsTsDecode",
-    "trtllm": "vllm_kimi_dsa.kernels.flashinfer:TrtllmDecode",
+    "prims_ts": "vllm_kimi_dsa.backends.flashinfer.prims_ts:PrimsTsDecode",
+    "trtllm": "vllm_kimi_dsa.backends.flashinfer.trtllm:TrtllmDecode",
     "triton": "vllm_kimi_dsa.kernels.triton_decode:TritonDecode",
 }
 

@@ -1,15 +1,18 @@
-"""The process-wide registry of FlashInfer prims_ts sparse MLA plans (`PLANS`) and their qo_indptr offsets.
+"""The process-wide registry of FlashInfer prims_ts sparse MLA plans (`PLANS`), their capacities and qo_indptr.
 
 One plan per (device, plan rows, heads, lse, format, width), all on one shared workspace per device.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, normalize_format
+from vllm_kimi_dsa.heads import heads_refusal
 
 # FlashInfer's kv_cache_format for each cache format (flashinfer/attention/prims_ts/mla_decode.py,
 # plan docstring and kernels/mla_decode/helpers/nvfp4_kv.py: cache_record_size): "native" reads
@@ -49,7 +52,7 @@ def plan_arguments(key: PlanKey) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _offsets(rows: int, capacity: int, device: torch.device | str) -> torch.Tensor:
+def qo_offsets(capacity: int, rows: int, device: torch.device | str) -> torch.Tensor:
     """qo_indptr (capacity + 1,) int32 = [0, 1, ..., rows, rows, ..., rows] for `rows` one-token rows."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be a non-negative int, got {rows!r}")
@@ -60,6 +63,42 @@ def _offsets(rows: int, capacity: int, device: torch.device | str) -> torch.Tens
     return torch.arange(capacity + 1, dtype=torch.int32, device=device).clamp_(max=rows)
 
 
+# The seed's documented name (SPEC 10): _offsets(capacity, rows, device).
+_offsets = qo_offsets
+
+
+def _positive_int(value: Any, name: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # numpy ints too
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def plan_rows_for(rows: int, capacities: Sequence[int] | None = None) -> int:
+    """The prims_ts plan batch size for `rows` rows: the smallest capacity >= rows (rows when none given).
+
+    capacities: ascending positive ints without repeats, or None / empty.
+    """
+    _positive_int(rows, "rows")
+    if not capacities:
+        return rows
+    caps = tuple(capacities)
+    for c in caps:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"capacities must be positive ints, got {caps}")
+    if any(a >= b for a, b in zip(caps, caps[1:])):
+        raise ValueError(f"capacities must be sorted ascending without repeats, got {caps}")
+    for c in caps:
+        if c >= rows:
+            return c
+    raise ValueError(f"rows={rows} exceeds every plan capacity in capacities={caps}")
+
+
 def _check_key(key: PlanKey) -> PlanKey:
     if not isinstance(key, PlanKey):
         raise TypeError(f"plan keys must be PlanKey, got {type(key).__name__}")
@@ -68,8 +107,9 @@ def _check_key(key: PlanKey) -> PlanKey:
         value = getattr(key, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"PlanKey.{name} must be a positive int, got {value!r}")
-    if key.heads > 128:
-        raise ValueError(f"PlanKey.heads={key.heads}: prims_ts takes at most 128 heads")
+    refusal = heads_refusal("prims_ts", key.heads)
+    if refusal:
+        raise ValueError(f"PlanKey.heads={key.heads}: {refusal}")
     device = torch.device(key.device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one plan
@@ -93,9 +133,26 @@ class _Plans:
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self.plan_calls = 0  # wrapper.plan invocations, re-plans included (tests read it)
 
-    def plan(self, keys: Iterable[PlanKey]) -> None:
-        """Make every missing plan of `keys` in one go; keys already planned are untouched."""
-        wanted = list(dict.fromkeys(_check_key(k) for k in keys))
+    def plan(
+        self,
+        keys: Iterable[PlanKey] | torch.device | str,
+        shapes: Iterable[tuple[int, int, bool]] | None = None,
+        fmt: str | None = None,
+        topk: int | Iterable[int] | None = None,
+    ) -> None:
+        """Make every missing plan in one go; plans already made are untouched.
+
+        plan(keys): PlanKeys. plan(device, shapes, fmt, topk) (SPEC 10): shapes of (plan rows, heads, lse), each
+        planned for the cache format `fmt` and every top-k width in `topk` (an int or several).
+        """
+        if shapes is not None or fmt is not None or topk is not None:
+            if shapes is None or fmt is None or topk is None:
+                raise TypeError("plan(device, shapes, fmt, topk) needs all four arguments")
+            widths = (topk,) if isinstance(topk, int) else tuple(topk)
+            keys = [PlanKey(torch.device(keys), r, h, lse, fmt, w) for r, h, lse in shapes for w in widths]  # type: ignore[arg-type]
+        elif isinstance(keys, (torch.device, str)):
+            raise TypeError("plan(device, shapes, fmt, topk) needs all four arguments")
+        wanted = list(dict.fromkeys(_check_key(k) for k in keys))  # type: ignore[union-attr]
         missing = [k for k in wanted if k not in self._wrappers]
         if not missing:
             return
@@ -104,7 +161,7 @@ class _Plans:
                 "prims_ts plans must all be made before CUDA graph capture (their workspace and "
                 f"metadata addresses are baked into the graph); missing {missing}"
             )
-        from vllm_kimi_dsa.kernels.flashinfer import require_prims_ts
+        from vllm_kimi_dsa.backends.flashinfer.features import require_prims_ts
 
         require_prims_ts()
         from flashinfer.attention.prims_ts import (
@@ -140,8 +197,15 @@ class _Plans:
         wrapper.plan(*args, **kwargs)
         self.plan_calls += 1
 
-    def get(self, key: PlanKey) -> Any:
-        """The planned BatchSparseMLADecodePagedTSWrapper of `key`."""
+    def get(self, key: PlanKey | torch.device | str, *shape: Any) -> Any:
+        """The planned BatchSparseMLADecodePagedTSWrapper of `key`, or of get(device, rows, heads, lse, fmt, topk)."""
+        if shape:
+            if len(shape) != 5:
+                raise TypeError("get(device, rows, heads, lse, fmt, topk) takes six arguments")
+            rows, heads, lse, fmt, topk = shape
+            key = PlanKey(torch.device(key), rows, heads, lse, fmt, topk)  # type: ignore[arg-type]
+        if not isinstance(key, PlanKey):
+            raise TypeError(f"get takes a PlanKey or (device, rows, heads, lse, fmt, topk), got {type(key).__name__}")
         try:
             return self._wrappers[_check_key(key)]
         except KeyError:
@@ -172,4 +236,4 @@ class _Plans:
 
 PLANS = _Plans()
 
-__all__ = ["PLANS", "PRIMS_TS_FORMAT", "PlanKey", "_Plans", "_offsets", "plan_arguments"]
+__all__ = ["PLANS", "PRIMS_TS_FORMAT", "PlanKey", "plan_arguments", "plan_rows_for", "qo_offsets"]
