@@ -1,24 +1,25 @@
-"""vLLM glue: detect the FLASHINFER_MLA_SPARSE path, wire one FlashInferCore per DSA layer, the plugin hook.
-
-The only module of the package that imports vLLM, and only inside functions, so it loads without vLLM.
+"""vLLM glue: the plugin hook, FLASHINFER_MLA_SPARSE detection, and one FlashInferCore per layer for a model that
+hands the indexer's top-k ids itself (KimiDSACores). Imports vLLM only inside functions: it loads without vLLM.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.dcp import LOG2_E
-from vllm_kimi_dsa.formats import LATENT_DIM, normalize_format
+from vllm_kimi_dsa.formats import normalize_format
+from vllm_kimi_dsa.logs import init_logger
+from vllm_kimi_dsa.serving import SharedBuffers, kernel_table
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
-KERNEL_TABLE_ENV = "VLLM_KIMI_DSA_KERNEL_TABLE"  # = dispatch.KERNEL_TABLE_ENV (dispatch imports torch only)
+KERNEL_TABLE_ENV = envs.KERNEL_TABLE
 _IMPL_PATH = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+BACKEND_CLASS = "vllm_kimi_dsa.vllm_backend.KimiDSAFlashInferMLASparseBackend"
 
 _registered = False
 
@@ -83,57 +84,7 @@ def dsa_layers(model: Any) -> list[Any]:
     return found
 
 
-# ---------------------------------------------------------------------- kernel table
-
-
-def kernel_table(
-    batch_sizes: Iterable[int],
-    *,
-    dcp: int,
-    heads: int,
-    kv_cache_dtype: str,
-    device: torch.device | str,
-    table: str | os.PathLike[str] | Mapping[int, str] | None = None,
-) -> dict[int, str]:
-    """{rows: kernel name} for every batch size, as the core wants it.
-
-    table: a {rows: name} mapping used as is; or a measured table file
-        (`dispatch.load_kernel_table`: {"tp": spec, "dcp": spec}); None: the file named by
-        env VLLM_KIMI_DSA_KERNEL_TABLE, else the built-in FI_KERNEL (dispatch.kernel_for).
-        Either way `kernel_for` picks among what `fi_kernels` says this machine runs.
-    """
-    from vllm_kimi_dsa import dispatch
-
-    sizes = sorted({int(r) for r in batch_sizes})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"batch_sizes must be positive ints, got {sizes}")
-    if isinstance(table, Mapping):
-        missing = [r for r in sizes if r not in table]
-        if missing:
-            raise ValueError(f"kernels: batch sizes {missing} have no kernel in the given table")
-        return {r: str(table[r]) for r in sizes}
-    measured = dispatch.load_kernel_table(table) if table is not None else None
-    available = dispatch.fi_kernels(kv_cache_dtype, device=torch.device(device))
-    return {r: dispatch.kernel_for(r, dcp, available, heads, table=measured) for r in sizes}
-
-
 # ---------------------------------------------------------------------- the model's cores
-
-
-@dataclass(frozen=True)
-class SharedBuffers:
-    """The buffers every layer's core writes into, sized for the largest batch R.
-
-    slots (R, K) int32, counts (R,) int32, latent (R*H*512,) bf16, lse (R*H,) fp32 or None.
-    """
-
-    slots: torch.Tensor
-    counts: torch.Tensor
-    latent: torch.Tensor
-    lse: torch.Tensor | None
-
-    def as_tuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.slots, self.counts, self.latent, self.lse
 
 
 class KimiDSACores:
@@ -149,7 +100,7 @@ class KimiDSACores:
     width: top-k width K (K3.1: 2048; the indexer's topk_indices_buffer width).
     kv_cache_dtype: "fp8"/"fp8_e4m3"/"nvfp4_ds_mla"; default the impls' kv_cache_dtype.
     dcp, rank: default the impl's dcp_world_size / dcp_rank (1 / 0 when absent).
-    kernels: {rows: name} to force, else `table` / env / dispatch picks (see kernel_table).
+    kernels: {rows: name} to force, else `table` / env / selection picks (see kernel_table).
     capacities: prims_ts plan capacities (sorted); None plans each batch size.
     return_lse: default dcp > 1 (vLLM's DCP combine needs the LSE).
     lse_base2: hand back base-2 LSE (converted in place in the shared buffer);
@@ -221,14 +172,8 @@ class KimiDSACores:
                 if getattr(impl, "_workspace_buffer", None) is None and hasattr(impl, "_prepare_mqa_kernel"):
                     impl._prepare_mqa_kernel(layer, self.device)
 
-        r, h, k = self.max_rows, self.heads, self.width
-        # Initial contents are never read (the core writes before anything reads); fill for determinism.
-        self.buffers = SharedBuffers(
-            slots=torch.full((r, k), -1, dtype=torch.int32, device=self.device),
-            counts=torch.zeros((r,), dtype=torch.int32, device=self.device),
-            latent=torch.zeros((r * h * LATENT_DIM,), dtype=torch.bfloat16, device=self.device),
-            lse=torch.zeros((r * h,), dtype=torch.float32, device=self.device) if self.return_lse else None,
-        )
+        h, k = self.heads, self.width
+        self.buffers = SharedBuffers.make(self.max_rows, h, k, self.return_lse, self.device)
         self.cores = [
             FlashInferCore(
                 impl,
@@ -319,34 +264,40 @@ class KimiDSACores:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (`vllm.general_plugins`: kimi_k3_dsa).
+    """vLLM general-plugin entry point (`vllm.general_plugins`: kimi_k3_dsa), run in every vLLM process.
 
-    vLLM 0.33 has no Kimi K3.1 DSA model class, so nothing is put in ModelRegistry and no
-    backend is overridden (FLASHINFER_MLA_SPARSE stays vLLM's own): the model wires
-    KimiDSACores itself. This only checks, once per process, that the backend module exists
-    and that a kernel-table file named by VLLM_KIMI_DSA_KERNEL_TABLE loads, logging what fails.
-    Idempotent, cheap, never raises.
+    Adds the package's VLLM_KIMI_DSA_* variables to vLLM's env validation, and, unless VLLM_KIMI_DSA_BACKEND=0,
+    overrides FLASHINFER_MLA_SPARSE with this package's backend (vllm_backend.py), so `--attention-backend
+    FLASHINFER_MLA_SPARSE` runs every DSA layer's sparse decode through FlashInferCore. With the switch at 0 it
+    clears its own override, and vLLM's class comes back. Idempotent. A bad VLLM_KIMI_DSA_* value, or a kernel-table
+    file that does not load, raises ValueError naming it: vLLM stops at startup instead of running something else.
     """
     global _registered
-    if _registered:
-        return
-    _registered = True
+    envs.register_with_vllm()
+    enabled = envs.backend_enabled()
+    path = envs.kernel_table_path()
+    if path:
+        from vllm_kimi_dsa import selection
+
+        try:
+            selection.load_kernel_table(path)
+        except ValueError as err:
+            raise ValueError(f"{envs.KERNEL_TABLE}: {err}") from None
     try:
-        from importlib.util import find_spec
-
-        # find_spec, not import: importing the backend resolves vLLM's platform, too early in a plugin.
-        if find_spec(_IMPL_PATH) is None:
-            logger.info("vllm_kimi_dsa: vLLM's FLASHINFER_MLA_SPARSE backend is absent; the DSA core stays unused")
-            return
-        path = os.environ.get(KERNEL_TABLE_ENV)
-        if path:
-            from vllm_kimi_dsa import dispatch
-
-            dispatch.load_kernel_table(path)
-            logger.info("vllm_kimi_dsa: kernel table %s loaded", path)
-        logger.debug("vllm_kimi_dsa: plugin registered")
-    except Exception as e:  # a plugin must never take vLLM down
-        logger.warning("vllm_kimi_dsa: plugin registration failed: %s", e)
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError:  # called outside vLLM (vLLM itself only calls it where it is installed)
+        logger.info("vLLM is not installed: no backend to override")
+        _registered = True
+        return
+    member = AttentionBackendEnum.FLASHINFER_MLA_SPARSE
+    if enabled:
+        register_backend(member, BACKEND_CLASS)
+        if not _registered:
+            logger.info("FLASHINFER_MLA_SPARSE runs vllm_kimi_dsa's sparse decode (%s=0 turns it off)", envs.BACKEND)
+    elif member.is_overridden() and member.get_path() == BACKEND_CLASS:
+        member.clear_override()
+        logger.info("%s=0: FLASHINFER_MLA_SPARSE is vLLM's own backend", envs.BACKEND)
+    _registered = True
 
 
 def is_registered() -> bool:
@@ -355,6 +306,7 @@ def is_registered() -> bool:
 
 
 __all__ = [
+    "BACKEND_CLASS",
     "KERNEL_TABLE_ENV",
     "KimiDSACores",
     "SharedBuffers",

@@ -1,0 +1,343 @@
+"""The vLLM backend and plugin against vLLM 0.33's real classes, on a CPU.
+
+vLLM's plugin loader, env validation, attention selector (CudaPlatform with a mocked compute capability, as vLLM's
+own selector tests do), MLAAttention's constructor (which builds the impl), SparseMLACommonImpl.forward_mqa (vLLM's
+own top-k conversion, TP and DCP) and vLLM's DCP combine; the decode runs the plain Triton kernel in Triton's
+interpreter at small shapes and is checked against the float32 reference (tests/decode_checks.py's bounds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.attention.backends.mla.flashinfer_mla_sparse", reason="needs vLLM 0.33")
+
+import vllm_harness as vh  # noqa: E402
+from decode_checks import check_decode  # noqa: E402
+from test_dcp import make_case  # noqa: E402
+
+from vllm_kimi_dsa import envs, vllm_glue  # noqa: E402
+from vllm_kimi_dsa.convert import convert_topk_reference  # noqa: E402
+from vllm_kimi_dsa.formats import flat_kv_row_view  # noqa: E402
+from vllm_kimi_dsa.vllm_backend import KimiDSAFlashInferMLASparseBackend, KimiDSAFlashInferMLASparseImpl  # noqa: E402
+from vllm_kimi_dsa.vllm_glue import BACKEND_CLASS, dsa_on_flashinfer  # noqa: E402
+
+FORMATS = ("fp8", "nvfp4_ds_mla")
+# The GPU each format's impl is built for: FP8 on Hopper; nvfp4_ds_mla on Blackwell, the only GPU vLLM 0.33 writes
+# its rows on (on a CPU the core still runs the Triton kernel in the interpreter either way).
+CAPABILITY = {"fp8": 9, "nvfp4_ds_mla": 10}
+WIDTH, BLOCK = 128, 64
+Q_SCALE, K_SCALE = 0.3, 0.5  # peaked enough that the ranks' LSEs differ: a merge in the wrong base shows
+
+
+@pytest.fixture(autouse=True)
+def plugin(monkeypatch):
+    """The plugin registered, as vLLM's loader leaves it; vLLM's overrides restored after each test."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    saved = dict(_ATTN_OVERRIDES)
+    monkeypatch.delenv(envs.BACKEND, raising=False)
+    monkeypatch.delenv(envs.KERNEL_TABLE, raising=False)
+    vllm_glue.register()
+    yield
+    _ATTN_OVERRIDES.clear()
+    _ATTN_OVERRIDES.update(saved)
+
+
+def _config(tmp_path: Path, arch: str = vh.DSV32, **kw):
+    return vh.vllm_config(tmp_path / f"{arch}-{kw.get('kv_cache_dtype', 'fp8')}", arch, **kw)
+
+
+# ---------------------------------------------------------------- the plugin, as vLLM loads it
+
+
+def test_plugin_loads_through_vllms_loader_twice(monkeypatch):
+    import vllm.plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    member = AttentionBackendEnum.FLASHINFER_MLA_SPARSE
+    member.clear_override()
+    monkeypatch.setenv("VLLM_PLUGINS", "kimi_k3_dsa")
+    for _ in range(2):  # vLLM loads general plugins in every process, sometimes more than once: idempotent
+        monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+        vllm.plugins.load_general_plugins()
+        assert member.get_path() == BACKEND_CLASS
+    assert member.get_class() is KimiDSAFlashInferMLASparseBackend
+
+
+def test_env_variables_pass_vllms_strict_validation(monkeypatch):
+    from vllm import envs as vllm_envs
+    from vllm.platforms.interface import Platform
+
+    monkeypatch.setenv(envs.KERNEL_TABLE, "")
+    monkeypatch.setenv(envs.GLUON, "1")
+    Platform.validate_environ(hard_fail=True)  # registered: neither warns nor raises
+    for name in envs.ENVIRONMENT_VARIABLES:
+        monkeypatch.delitem(vllm_envs.environment_variables, name)
+    with pytest.raises(ValueError, match="Unknown vLLM environment variable"):  # the check itself can fail
+        Platform.validate_environ(hard_fail=True)
+
+
+def test_logs_go_through_vllms_logger_tree():
+    from vllm_kimi_dsa import vllm_backend
+
+    assert vllm_backend.logger.name.startswith("vllm.") and hasattr(vllm_backend.logger, "info_once")
+
+
+def test_switch_off_gives_vllms_own_class_back(monkeypatch, tmp_path):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseTRTLLMBackend
+
+    config = _config(tmp_path)
+    monkeypatch.setenv(envs.BACKEND, "0")
+    vllm_glue.register()
+    with vh.gpu_capability(10):
+        assert vh.select_backend(config, "fp8") is FlashInferMLASparseTRTLLMBackend
+    with vh.gpu_capability(9), pytest.raises(ValueError, match="compute capability not supported"):
+        vh.select_backend(config, "fp8")
+    monkeypatch.setenv(envs.BACKEND, "1")
+    vllm_glue.register()
+    with vh.gpu_capability(9):
+        assert vh.select_backend(config, "fp8") is KimiDSAFlashInferMLASparseBackend
+
+
+@pytest.mark.parametrize("name, value", [(envs.BACKEND, "yes"), (envs.GLUON, "2")])
+def test_bad_switch_values_stop_startup_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        vllm_glue.register()
+        envs.gluon_choice()
+
+
+def test_a_kernel_table_that_does_not_load_stops_startup(monkeypatch, tmp_path):
+    bad = tmp_path / "table.json"
+    bad.write_text(json.dumps({"tp": "1-8:warp_drive"}))
+    monkeypatch.setenv(envs.KERNEL_TABLE, str(bad))
+    with pytest.raises(ValueError, match=envs.KERNEL_TABLE):
+        vllm_glue.register()
+
+
+# ---------------------------------------------------------------- vLLM's selector
+
+
+@pytest.mark.parametrize("capability, kv_cache_dtype", [(9, "fp8"), (10, "fp8"), (10, "nvfp4_ds_mla")])
+@pytest.mark.parametrize("arch", [vh.DSV32, vh.GLM_DSA])
+def test_selector_resolves_flashinfer_mla_sparse_to_this_backend(tmp_path, arch, kv_cache_dtype, capability):
+    config = _config(tmp_path, arch, kv_cache_dtype=kv_cache_dtype)
+    with vh.gpu_capability(capability):
+        assert vh.select_backend(config, kv_cache_dtype) is KimiDSAFlashInferMLASparseBackend
+
+
+@pytest.mark.parametrize("arch", [vh.DSV32, vh.GLM_DSA])
+def test_nvfp4_on_hopper_is_refused_because_vllm_cannot_write_it(tmp_path, arch):
+    """The core reads nvfp4_ds_mla rows on SM90, but vLLM 0.33 cannot write them there: refused at selection."""
+
+    config = _config(tmp_path, arch, kv_cache_dtype="nvfp4_ds_mla")
+    with vh.gpu_capability(9), pytest.raises(ValueError, match="writes nvfp4_ds_mla rows only on SM100"):
+        vh.select_backend(config, "nvfp4_ds_mla")
+
+
+def test_sm90_cannot_assemble_vllms_nvfp4_conversion():
+    """The fact behind that refusal, checked with Triton's own ptxas (no GPU; outside the interpreter this process
+    runs): should SM90 ever assemble vLLM's e2m1 conversion, this fails and the refusal is to be revisited."""
+    probe = Path(__file__).resolve().parents[1] / "tools" / "e2m1_cvt_probe.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("sm_")]
+    assert lines[0].startswith("sm_90: does not assemble") and "e2m1x2" in lines[0], done.stdout + done.stderr[-800:]
+    assert lines[1] == "sm_100: assembles", done.stdout
+
+
+@pytest.mark.parametrize(
+    "capability, config_kw, kv_cache_dtype, match",
+    [
+        (9, dict(kv_cache_dtype="auto"), "auto", "kv_cache_dtype 'auto'"),
+        (9, dict(heads=8), "fp8", "8 query heads"),
+        (9, dict(block_size=16), "fp8", "block_size not supported"),
+        (8, dict(), "fp8", "compute capability not supported"),
+        (12, dict(), "fp8", "compute capability not supported"),
+    ],
+)
+def test_bad_configurations_are_refused_at_selection(tmp_path, capability, config_kw, kv_cache_dtype, match):
+    config = _config(tmp_path, **config_kw)
+    with vh.gpu_capability(capability), pytest.raises(ValueError, match=match):
+        vh.select_backend(config, kv_cache_dtype)
+
+
+def test_blackwell_keeps_vllms_bf16_path(tmp_path):
+    """On SM100 what the core does not read (a BF16 cache) still selects, and the impl runs vLLM's own code."""
+    config = _config(tmp_path, kv_cache_dtype="auto")
+    with vh.gpu_capability(10):
+        assert vh.select_backend(config, "auto") is KimiDSAFlashInferMLASparseBackend
+        layer = vh.build_mla_layer(config, heads=16, topk_buffer=_topk_buffer(4))
+    assert not layer.impl.served_by_core and layer.impl.lse_base_on_e is False
+
+
+# ---------------------------------------------------------------- the impl, built by vLLM's constructor
+
+
+def _topk_buffer(rows: int) -> torch.Tensor:
+    return torch.full((rows, WIDTH), -1, dtype=torch.int32)
+
+
+def _layer(config, *, heads: int, rows: int, capability: int | None = None,
+           prefix: str = "model.layers.0.self_attn.mla_attn"):
+    """An MLAAttention built by vLLM, its FP8 scales set as vLLM's KV-cache quant method sets them, then vLLM's
+    post-load hook (which builds the step)."""
+    buffer = _topk_buffer(rows)
+    if capability is None:
+        capability = CAPABILITY[config.cache_config.cache_dtype]
+    with vh.gpu_capability(capability):
+        layer = vh.build_mla_layer(config, heads=heads, topk_buffer=buffer, prefix=prefix)
+    layer._q_scale_float, layer._k_scale_float = Q_SCALE, K_SCALE
+    return layer, buffer
+
+
+def test_vllms_constructor_builds_this_impl(tmp_path):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
+
+    config = _config(tmp_path)
+    layer, _ = _layer(config, heads=16, rows=4)
+    impl = layer.impl
+    assert isinstance(impl, KimiDSAFlashInferMLASparseImpl) and isinstance(impl, FlashInferMLASparseImpl)
+    assert dsa_on_flashinfer(layer)
+    assert impl.served_by_core and impl.lse_base_on_e is True  # the core hands vLLM's combine natural-log LSE
+    assert impl._step is None
+    impl.process_weights_after_loading(torch.bfloat16)  # vLLM's loader calls it on every attention layer
+    step = impl._step
+    assert step is not None and set(step.kernels.values()) == {"triton"}
+    # every decode batch vLLM may run is planned: max_num_seqs (4) and the capture sizes (1, 2, 4)
+    assert step.shape.max_rows == 4 and step.shape.heads == 16 and step.shape.width == WIDTH
+    assert step.core.softmax_scale == pytest.approx(impl.scale * Q_SCALE * K_SCALE)
+
+
+def _metadata(meta, rows: int, *, decode: bool):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseMetadata
+
+    return FlashInferMLASparseMetadata(
+        num_reqs=rows, max_query_len=1, max_seq_len=4 * WIDTH, num_actual_tokens=rows,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32), slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        num_decodes=rows if decode else 0, num_decode_tokens=rows if decode else 0, num_prefills=0 if decode else rows,
+        block_table=meta.block_table, req_id_per_token=meta.req_id_per_token, block_size=BLOCK, topk_tokens=WIDTH,
+        cp_kv_cache_interleave_size=meta.cp_kv_cache_interleave_size,
+    )
+
+
+def _reference_check(out, lse, layer, query, cache, topk, meta, *, dcp: int = 1, rank: int = 0):
+    """The float32 reference of what the layer must return, from this package's own converter's slots."""
+    kv_rows, stride = flat_kv_row_view(cache, BLOCK)
+    slots, counts = convert_topk_reference(
+        topk, meta.req_id_per_token, meta.block_table, block_size=BLOCK, rows_per_block_stride=stride,
+        dcp_size=dcp, dcp_rank=rank, interleave=meta.cp_kv_cache_interleave_size,
+    )
+    core = layer.impl._step.core
+    assert core.softmax_scale == pytest.approx(layer.impl.scale * Q_SCALE * (K_SCALE if core.fmt == "fp8" else 1))
+    check_decode(out, lse, query, kv_rows, slots, counts, core.fmt, core.softmax_scale, core.output_scale)
+    return counts
+
+
+def _through_vllms_converter(layer, buffer, fmt: str, rows: int, seed: int, *, is_decode: bool):
+    """vLLM's top-k converter's flat rows and counts for a fresh case, then the impl's kernel call on them.
+
+    forward_mqa's TP conversion goes through the index group's CUDA side stream, which a CPU lacks; the same vLLM
+    converter is called here directly with the arguments forward_mqa gives it (the DCP test runs forward_mqa whole).
+    """
+    from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
+
+    heads = layer.impl.num_heads
+    (cache, meta), _, topk, query = make_case(fmt, 1, 1, rows, heads, WIDTH, seed=seed)
+    buffer[:rows] = topk
+    _, stride = flat_kv_row_view(cache, BLOCK)
+    physical, counts = triton_convert_req_index_to_global_index(
+        meta.req_id_per_token, meta.block_table, buffer[:rows], BLOCK_SIZE=BLOCK, BLOCK_STRIDE_ROWS=stride,
+        NUM_TOPK_TOKENS=WIDTH, return_valid_counts=True,
+    )
+    layer.impl._step.buffers.latent.fill_(float("nan"))  # poison: everything returned must have been written
+    out, lse = layer.impl._forward_mqa_kernel(query, cache, physical, counts, layer=layer, block_size=BLOCK,
+                                              is_decode=is_decode)
+    assert lse is None and out.shape == (rows, heads, 512)
+    ref_counts = _reference_check(out, lse, layer, query, cache, topk, meta)
+    assert torch.equal(counts, ref_counts) and int(counts[0]) == 0  # row 0 of the case selects nothing
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_batch_through_vllms_conversion(tmp_path, fmt):
+    """A decode batch (holes, a count-0 row, an odd size): lands in the shared buffers, equals the reference."""
+    layer, buffer = _layer(_config(tmp_path, kv_cache_dtype=fmt), heads=16, rows=8)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    _through_vllms_converter(layer, buffer, fmt, 3, seed=3, is_decode=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_sized_batch_runs_in_pieces(tmp_path, fmt):
+    """A prefill chunk larger than any planned decode size (max_rows 4): pieces of planned size, never an error."""
+    layer, buffer = _layer(_config(tmp_path, kv_cache_dtype=fmt, max_num_batched_tokens=16), heads=16, rows=16)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    rows = 2 * layer.impl._step.shape.max_rows + 3
+    _through_vllms_converter(layer, buffer, fmt, rows, seed=5, is_decode=False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dcp_two_ranks_merged_by_vllms_combine_equal_the_reference(tmp_path, monkeypatch, fmt):
+    """DCP 2: each rank's impl decodes its own share (vLLM's DCP filter-and-convert in forward_mqa), vLLM's
+    combine merges them with the base the impl declares; a row one rank never sees (count 0) is dropped."""
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.v1.attention.ops.dcp import _lse_weighted_combine
+
+    heads_per_rank, dcp, interleave, rows = 8, 2, 64, 5  # 5 rows: more than one launch takes (max_rows 4)
+    heads = heads_per_rank * dcp  # vLLM gathers the query heads of the DCP group
+    config = _config(tmp_path, kv_cache_dtype=fmt)
+    (tp_cache, tp_meta), ranks, topk, query = make_case(fmt, dcp, interleave, rows, heads, WIDTH, seed=17)
+    outs, lses, counts = [], [], []
+    for rank, (cache, meta) in enumerate(ranks):
+        # This process has no DCP group of 2: vLLM's impl reads (size, rank) from this function in its __new__.
+        monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r=rank: (dcp, r))
+        layer, buffer = _layer(config, heads=heads_per_rank, rows=rows,
+                               prefix=f"model.layers.{rank}.self_attn.mla_attn")
+        assert (layer.impl.dcp_world_size, layer.impl.dcp_rank) == (dcp, rank)
+        assert layer.impl.need_to_return_lse_for_decode
+        layer.impl.process_weights_after_loading(torch.bfloat16)
+        assert layer.impl._step.shape.heads == heads
+        buffer[:rows] = topk
+        out, lse = layer.impl.forward_mqa(query, cache, _metadata(meta, rows, decode=True), layer)
+        counts.append(_reference_check(out, lse, layer, query, cache, topk, meta, dcp=dcp, rank=rank))
+        outs.append(out.float().clone())
+        lses.append(lse.clone())
+    assert any(int(c[1]) == 0 for c in counts), "the case must give one rank a count-0 row"
+    merged = _lse_weighted_combine(torch.stack(outs), torch.stack(lses), is_lse_base_on_e=layer.impl.lse_base_on_e)
+    kv_rows, stride = flat_kv_row_view(tp_cache, BLOCK)
+    slots, tp_counts = convert_topk_reference(topk, tp_meta.req_id_per_token, tp_meta.block_table, block_size=BLOCK,
+                                              rows_per_block_stride=stride)
+    core = layer.impl._step.core
+    from vllm_kimi_dsa.reference import reference_decode
+
+    ref, _ = reference_decode(query, kv_rows, slots, tp_counts, fmt=fmt, softmax_scale=core.softmax_scale,
+                              output_scale=core.output_scale)
+    scale = ref.abs().max().item()
+    # each rank's latent is within the bf16 bound of its reference (checked above); the merge adds the interpreter's
+    # bf16 truncation (2^-7) once more per rank: 4 bf16 ulps of the largest output bound the difference.
+    torch.testing.assert_close(merged.float(), ref, atol=4 * 2**-7 * scale, rtol=0)
+    wrong_base = _lse_weighted_combine(torch.stack(outs), torch.stack(lses), is_lse_base_on_e=False)
+    assert (wrong_base.float() - ref).abs().max().item() > 8 * 2**-7 * scale, "the merge check must tell bases apart"
+
+
+def test_capture_without_a_built_step_is_refused(tmp_path):
+    config = _config(tmp_path)
+    layer, _ = _layer(config, heads=16, rows=4)
+    assert layer.impl._step is None
+    if not torch.cuda.is_available():
+        step = layer.impl.build_step(layer, torch.device("cpu"))  # outside capture, planning is fine
+        assert layer.impl._step is step
+
+
+def test_env_docs_cover_every_variable_and_the_readme_lists_them():
+    assert set(envs.DOCS) == set(envs.ENVIRONMENT_VARIABLES)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name, (what, values) in envs.DOCS.items():
+        assert f"| `{name}` | {what} | {values} |" in readme, f"README's variable table lacks {name}"

@@ -1,0 +1,267 @@
+"""vLLM's FLASHINFER_MLA_SPARSE backend with this package's core: what the plugin registers in its place.
+
+Supports: DSA models (DeepseekV32, GlmMoeDsa, Kimi K3.1) with 576-wide MLA rows (512 latent + 64 RoPE), FP8
+(`fp8` / `fp8_e4m3`, 576 B rows) caches, and `nvfp4_ds_mla` (352 B rows) on SM100/103 (vLLM 0.33 cannot write
+nvfp4_ds_mla rows on SM90, so it is refused there at selection), block sizes that are multiples of 32,
+query heads per rank (times DCP) in 128, 96, 64, 32, 16, 12, DCP, CUDA graphs of uniform decode batches.
+SM90 (Hopper): every sparse decode runs this package's Triton/Gluon kernels. SM100/103 (Blackwell): the core's
+kernel table (FlashInfer prims_ts / trtllm-gen); what the core does not serve there (BF16 caches, other head
+counts, HiSparse, NoPE-only models) stays on vLLM's own FlashInferMLASparseImpl code, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.config.cache import CacheDType
+import vllm.platforms
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionLayer, MLAAttentionImpl
+from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
+    FlashInferMLASparseImpl,
+    FlashInferMLASparseTRTLLMBackend,
+)
+from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
+
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.heads import SUPPORTED_HEADS
+from vllm_kimi_dsa.logs import init_logger
+from vllm_kimi_dsa.serving import LayerStep, StepShape
+
+logger = init_logger(__name__)
+
+CORE_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "nvfp4_ds_mla")
+HOPPER, BLACKWELL = 9, 10
+# The core reads nvfp4_ds_mla rows on Hopper, but vLLM 0.33 cannot write them there (tools/e2m1_cvt_probe.py): its
+# CUDA writer has only an sm_100 build, and DeepSeek-V3.2's fused Triton insert uses an instruction sm_90 lacks.
+NVFP4_WRITER_NEEDS_SM100 = (
+    "vLLM 0.33 writes nvfp4_ds_mla rows only on SM100 (its concat_and_cache_nvfp4_ds_mla kernel has no SM90 build "
+    "and DeepSeek-V3.2's fused cache insert uses cvt.rn.satfinite.e2m1x2, which SM90 does not assemble); on Hopper "
+    "use --kv-cache-dtype fp8"
+)
+
+
+def core_rejects(
+    *,
+    capability: DeviceCapability,
+    kv_cache_dtype: str | None,
+    head_size: int,
+    heads: int | None,
+    hisparse: bool = False,
+) -> str | None:
+    """Why this package's core cannot run a layer, or None when it can.
+
+    heads: query heads per row the kernel sees (heads per TP rank times the DCP size); None: not known yet.
+    """
+    if kv_cache_dtype not in CORE_CACHE_DTYPES:
+        return (
+            f"kv_cache_dtype {kv_cache_dtype!r} is not one the sparse core reads; use --kv-cache-dtype fp8 "
+            "(576 B rows) or nvfp4_ds_mla (352 B rows)"
+        )
+    if head_size != HEAD_DIM:
+        return f"head_size {head_size} is not {HEAD_DIM} ({LATENT_DIM} latent + 64 RoPE); NoPE-only MLA is not served"
+    if heads is not None and heads not in SUPPORTED_HEADS:
+        return (
+            f"{heads} query heads per rank (after DCP) is not a head count the sparse kernels take "
+            f"{SUPPORTED_HEADS}; choose another tensor-parallel size"
+        )
+    if hisparse:
+        return "HiSparse (attention_config.hisparse_config) is not served by the sparse core"
+    if capability.major == HOPPER and kv_cache_dtype == "nvfp4_ds_mla":
+        return NVFP4_WRITER_NEEDS_SM100
+    if capability.major == BLACKWELL and kv_cache_dtype == "nvfp4_ds_mla":
+        from vllm_kimi_dsa.backends.flashinfer.features import PRIMS_TS_INSTALL, flashinfer_features
+
+        if not flashinfer_features().prims_ts:
+            return f"nvfp4_ds_mla on Blackwell needs FlashInfer's prims_ts (>= 0.7.4): {PRIMS_TS_INSTALL}"
+    return None
+
+
+def _query_heads(vllm_config: Any) -> int | None:
+    """Heads per row of the decode query: heads per TP rank, times the DCP size (vLLM gathers heads under DCP)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return None
+    parallel = vllm_config.parallel_config
+    return int(model_config.get_num_attention_heads(parallel)) * int(parallel.decode_context_parallel_size)
+
+
+def _uses_hisparse(vllm_config: Any) -> bool:
+    attention_config = getattr(vllm_config, "attention_config", None)
+    return getattr(attention_config, "hisparse_config", None) is not None
+
+
+class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
+    """FLASHINFER_MLA_SPARSE on SM90 and SM100/103, with the sparse decode through FlashInferCore.
+
+    Same name, metadata builder, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the
+    nvfp4_ds_mla cache.
+    """
+
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
+        *FlashInferMLASparseTRTLLMBackend.supported_kv_cache_dtypes,
+        "nvfp4_ds_mla",
+    ]
+
+    @staticmethod
+    def get_impl_cls() -> type[MLAAttentionImpl]:
+        return KimiDSAFlashInferMLASparseImpl
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability.major in (HOPPER, BLACKWELL)
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: CacheDType | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: DeviceCapability,
+    ) -> str | None:
+        reason = super().supports_combination(
+            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, use_mm_prefix,
+            device_capability,
+        )
+        if reason is not None:
+            return reason
+        vllm_config = get_current_vllm_config()
+        why = core_rejects(
+            capability=device_capability,
+            kv_cache_dtype=kv_cache_dtype,
+            head_size=head_size,
+            heads=_query_heads(vllm_config),
+            hisparse=_uses_hisparse(vllm_config),
+        )
+        # Hopper has no other kernel here; on Blackwell vLLM's own path takes what the core does not, except
+        # nvfp4_ds_mla, which no FlashInfer-backend kernel but the core's reads.
+        if why is not None and (device_capability.major == HOPPER or kv_cache_dtype == "nvfp4_ds_mla"):
+            return f"{cls.get_name()} (vllm_kimi_dsa) on SM{device_capability.to_int()}: {why}"
+        return None
+
+
+class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
+    """vLLM's FlashInferMLASparseImpl whose `_forward_mqa_kernel` runs the layer's LayerStep (FlashInferCore.decode).
+
+    vLLM converts the indexer's top-k to flat rows and valid counts before `_forward_mqa_kernel`
+    (SparseMLACommonImpl.forward_mqa, DCP included), so the step decodes them as they are and converts nothing.
+    The step is built once the weights (and the layer's FP8 scales) are loaded, before any CUDA graph capture.
+    Its LSE is natural log, so `lse_base_on_e` is True for the layers it serves (vLLM's DCP combine reads it).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._vllm_config = get_current_vllm_config()
+        self._step: LayerStep | None = None
+        self._step_scales: tuple[float, float] | None = None
+        capability = vllm.platforms.current_platform.get_device_capability()
+        if capability is None:
+            raise ValueError("FLASHINFER_MLA_SPARSE (vllm_kimi_dsa) needs a CUDA device with a compute capability")
+        self._capability = capability
+        why = core_rejects(
+            capability=capability,
+            kv_cache_dtype=self.kv_cache_dtype,
+            head_size=self.kv_lora_rank + self.qk_rope_head_dim,
+            heads=self.num_heads * self.dcp_world_size,
+            hisparse=isinstance(self.index_group, HiSparseMLAIndexGroup),
+        )
+        if why is not None and (capability.major != BLACKWELL or self.kv_cache_dtype == "nvfp4_ds_mla"):
+            raise ValueError(f"FLASHINFER_MLA_SPARSE (vllm_kimi_dsa) on SM{capability.to_int()}: {why}")
+        self.served_by_core = why is None
+        if self.served_by_core:
+            self.lse_base_on_e = True
+
+    # ------------------------------------------------------------------ building the step
+
+    def step_shape(self, device: torch.device, width: int | None = None) -> StepShape:
+        """The StepShape of this layer under the current vLLM config (every layer of a model gets the same one)."""
+        config = self._vllm_config
+        scheduler = config.scheduler_config
+        capture = sorted(int(s) for s in (config.compilation_config.cudagraph_capture_sizes or ()))
+        speculative = getattr(config, "speculative_config", None)
+        per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0) if speculative else 1
+        # One launch takes every decode batch vLLM may run; larger (prefill, mixed) batches go in pieces of it.
+        decode_rows = max([int(scheduler.max_num_seqs) * per_request, *capture])
+        max_rows = max(1, min(int(scheduler.max_num_batched_tokens), decode_rows))
+        if width is None:
+            buffer = self.topk_indices_buffer
+            width = int(buffer.shape[1]) if buffer is not None else int(config.model_config.hf_text_config.index_topk)
+        width = -(-width // 128) * 128
+        return StepShape(
+            device=device,
+            heads=self.num_heads * self.dcp_world_size,
+            width=width,
+            fmt=self.kv_cache_dtype,
+            max_rows=max_rows,
+            return_lse=self.need_to_return_lse_for_decode,
+            dcp=self.dcp_world_size,
+            rank=self.dcp_rank,
+            capacities=tuple(sorted({c for c in capture if c <= max_rows} | {max_rows})),
+        )
+
+    def build_step(self, layer: AttentionLayer, device: torch.device, width: int | None = None) -> LayerStep:
+        """Plan and allocate this layer's step (shared buffers, the kernels of every batch size). Not in capture."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "vllm_kimi_dsa: a DSA layer's sparse decode was first called inside CUDA graph capture; it plans "
+                "and allocates once, after the weights are loaded (process_weights_after_loading), never in capture"
+            )
+        self._step = LayerStep(self, layer, self.step_shape(device, width))
+        self._step_scales = (float(layer._q_scale_float), float(layer._k_scale_float))
+        logger.debug("sparse decode of %s: %s", getattr(layer, "layer_name", "a DSA layer"), self._step.kernels[1])
+        return self._step
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        if not self.served_by_core:
+            return
+        # vLLM's loader finishes every quant method (the layer's FP8 q/k scales) before this hook: build here.
+        context = self._vllm_config.compilation_config.static_forward_context
+        for layer in context.values():
+            if getattr(layer, "impl", None) is self:
+                weight = getattr(getattr(layer, "kv_b_proj", None), "weight", None)
+                device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cuda")
+                self.build_step(layer, device)
+                return
+
+    # ------------------------------------------------------------------ the hot path
+
+    def _forward_mqa_kernel(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        layer: AttentionLayer,
+        block_size: int,
+        is_decode: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.served_by_core:
+            return super()._forward_mqa_kernel(
+                q, kv_cache, topk_indices, seq_lens, layer=layer, block_size=block_size, is_decode=is_decode
+            )
+        if isinstance(q, tuple):  # a BF16 query: the core's check names it (the FP8 caches quantize the query)
+            q = torch.cat(q, dim=-1)
+        step = self._step
+        if step is None or self._step_scales != (layer._q_scale_float, layer._k_scale_float):
+            # Not built by process_weights_after_loading (an impl made outside vLLM's loader), or the scales moved
+            # (calculate_kv_scales): plan now, outside capture.
+            step = self.build_step(layer, q.device, int(topk_indices.shape[1]))
+        return step(q, kv_cache, topk_indices, seq_lens, block_size)
+
+
+__all__ = [
+    "CORE_CACHE_DTYPES",
+    "KimiDSAFlashInferMLASparseBackend",
+    "KimiDSAFlashInferMLASparseImpl",
+    "NVFP4_WRITER_NEEDS_SM100",
+    "core_rejects",
+]
