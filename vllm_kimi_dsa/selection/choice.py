@@ -4,28 +4,16 @@ this machine runs: FlashInfer's version, the GPU's capability, Triton).
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from vllm_kimi_dsa.arguments import positive_int
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.heads import heads_refusal
 from vllm_kimi_dsa.selection.specs import FI_KERNEL, KERNELS, active_kernel_table, check_table, kernel_from_spec
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)  # numpy ints too
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def kernel_for(
@@ -47,9 +35,9 @@ def kernel_for(
     candidate; a single candidate -> it; else the table's choice when it is a
     candidate, else prims_ts when it is one, else the first candidate in KERNELS order.
     """
-    _check_positive_int(rows, "rows")
-    _check_positive_int(dcp, "dcp")
-    _check_positive_int(heads, "heads")
+    positive_int(rows, "rows")
+    positive_int(dcp, "dcp")
+    positive_int(heads, "heads")
     if isinstance(kernels, str):
         raise TypeError(f"kernels must be a sequence of kernel names, not the str {kernels!r}")
     offered = set(kernels)

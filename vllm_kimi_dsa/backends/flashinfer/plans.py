@@ -5,12 +5,12 @@ One plan per (device, plan rows, heads, lse, format, width), all on one shared w
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from vllm_kimi_dsa.arguments import positive_int
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, normalize_format
 from vllm_kimi_dsa.heads import heads_refusal
 
@@ -67,24 +67,12 @@ def qo_offsets(capacity: int, rows: int, device: torch.device | str) -> torch.Te
 _offsets = qo_offsets
 
 
-def _positive_int(value: Any, name: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)  # numpy ints too
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def plan_rows_for(rows: int, capacities: Sequence[int] | None = None) -> int:
     """The prims_ts plan batch size for `rows` rows: the smallest capacity >= rows (rows when none given).
 
     capacities: ascending positive ints without repeats, or None / empty.
     """
-    _positive_int(rows, "rows")
+    positive_int(rows, "rows")
     if not capacities:
         return rows
     caps = tuple(capacities)
