@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pictures and the README table from bench_suite.json: µs and TFLOP/s vs rows per kernel, floors drawn in.
 
-    python3 benchmarks/plot.py [JSON] [--out-dir benchmarks/results]   -> bench_H128.png, bench_H16_H12.png,
+    python3 benchmarks/plot.py [JSON] [--out-dir benchmarks/results/latest]   -> bench_H128.png, bench_H16_H12.png,
                                                                            bench_suite.md (also printed)
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_JSON = HERE / "results" / "bench_suite.json"
+DEFAULT_JSON = HERE / "results" / "latest" / "bench_suite.json"
 # One colour per kernel family/format, so a kernel and its floor line match.
 COLORS = {
     "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
@@ -163,7 +163,7 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
-    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--out-dir", default=str(HERE / "results" / "latest"))
     ap.add_argument("--rows", default="1,2,4,5,8,16,20,64,80,160,320", help="columns of the markdown table")
     args = ap.parse_args(argv)
     data = load(args.json)

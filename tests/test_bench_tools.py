@@ -281,13 +281,22 @@ def test_gather_floor_kernel_xors_the_gathered_rows() -> None:
     assert out.tolist() == want
 
 
-def test_plot_gluon_draws_the_committed_runs(tmp_path: Path) -> None:
+def test_plot_gluon_draws_both_benches(tmp_path: Path) -> None:
+    """plot_gluon draws a few_heads_bench.json and a gluon_bench.json of the shapes the two benches write."""
     pytest.importorskip("matplotlib")
-    run = ROOT / "benchmarks" / "results" / "h200-2026-12-03" / "few-heads-v4"
+
+    def times(us0: float) -> dict:
+        return {"times": {str(r): {"us": us0 + 0.4 * r} for r in (1, 5, 20, 80, 320)}}
+
+    few = tmp_path / "few_heads_bench.json"
+    few.write_text(json.dumps({"device": "NVIDIA H200", "K": 2048, "ceilings": {"copy_GBps": 4000.0},
+                               "results": {"triton/H16": times(10.0), "few-tail-regv/H16": times(8.0),
+                                           "few-tail-nvfp4/H16": times(9.0)}}))
+    gluon = tmp_path / "gluon_bench.json"
+    gluon.write_text(json.dumps({"K": 2048, "heads": 128, "results": {"seesaw-tail": times(12.0)}}))
     png = tmp_path / "g.png"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_gluon.py"), "--few",
-                        str(run / "bench" / "few_heads_bench.json"), "--gluon", str(run / "gluon" / "gluon_bench.json"),
-                        "--out", str(png)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_gluon.py"), "--few", str(few), "--gluon",
+                        str(gluon), "--out", str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert png.stat().st_size > 10_000
 
