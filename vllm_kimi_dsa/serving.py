@@ -102,6 +102,23 @@ class StepShape:
         object.__setattr__(self, "device", torch.device(self.device))
 
 
+def planned_rows(vllm_config: Any) -> tuple[int, tuple[int, ...]]:
+    """(max_rows, capacities) for a vLLM config: one launch takes every decode batch vLLM may run.
+
+    max_rows: max(max_num_seqs * (1 + speculative tokens), the largest CUDA-graph capture size), at most
+    max_num_batched_tokens; larger (prefill, mixed) batches run in pieces of it. capacities: the capture sizes up
+    to max_rows and max_rows itself (the prims_ts plans). Reads only attributes, so any config-shaped object works.
+    """
+    scheduler = vllm_config.scheduler_config
+    capture = sorted(int(s) for s in (getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()))
+    speculative = getattr(vllm_config, "speculative_config", None)
+    per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0)
+    decode_rows = max([int(scheduler.max_num_seqs) * per_request, *capture])
+    limit = int(getattr(scheduler, "max_num_batched_tokens", decode_rows) or decode_rows)
+    max_rows = max(1, min(limit, decode_rows))
+    return max_rows, tuple(sorted({c for c in capture if c <= max_rows} | {max_rows}))
+
+
 _BUFFERS: dict[tuple[Any, ...], SharedBuffers] = {}
 
 
@@ -195,4 +212,4 @@ class LayerStep:
         return self.core.decode(query, kv_cache, slots, counts, block_size)
 
 
-__all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "shared_buffers"]
+__all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "planned_rows", "shared_buffers"]

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.heads import SUPPORTED_HEADS
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import LayerStep, StepShape
+from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_rows
 
 logger = init_logger(__name__)
 
@@ -183,13 +183,7 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
     def step_shape(self, device: torch.device, width: int | None = None) -> StepShape:
         """The StepShape of this layer under the current vLLM config (every layer of a model gets the same one)."""
         config = self._vllm_config
-        scheduler = config.scheduler_config
-        capture = sorted(int(s) for s in (config.compilation_config.cudagraph_capture_sizes or ()))
-        speculative = getattr(config, "speculative_config", None)
-        per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0) if speculative else 1
-        # One launch takes every decode batch vLLM may run; larger (prefill, mixed) batches go in pieces of it.
-        decode_rows = max([int(scheduler.max_num_seqs) * per_request, *capture])
-        max_rows = max(1, min(int(scheduler.max_num_batched_tokens), decode_rows))
+        max_rows, capacities = planned_rows(config)
         if width is None:
             buffer = self.topk_indices_buffer
             width = int(buffer.shape[1]) if buffer is not None else int(config.model_config.hf_text_config.index_topk)
@@ -203,7 +197,7 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             return_lse=self.need_to_return_lse_for_decode,
             dcp=self.dcp_world_size,
             rank=self.dcp_rank,
-            capacities=tuple(sorted({c for c in capture if c <= max_rows} | {max_rows})),
+            capacities=capacities,
         )
 
     def build_step(self, layer: AttentionLayer, device: torch.device, width: int | None = None) -> LayerStep:

@@ -13,7 +13,7 @@ from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.dcp import LOG2_E
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import SharedBuffers, kernel_table
+from vllm_kimi_dsa.serving import SharedBuffers, kernel_table, planned_rows
 
 logger = init_logger(__name__)
 
@@ -157,6 +157,10 @@ class KimiDSACores:
         self.device = torch.device(device)
         self.return_lse = self.dcp > 1 if return_lse is None else bool(return_lse)
         self.lse_base2 = (not getattr(impl0, "lse_base_on_e", True)) if lse_base2 is None else bool(lse_base2)
+        if lse_base2 is None:
+            for i, (impl, _) in enumerate(pairs):
+                if getattr(impl, "lse_base_on_e", True) != getattr(impl0, "lse_base_on_e", True):
+                    raise ValueError(f"layers[{i}]: lse_base_on_e differs from layer 0's (one LSE base for all layers)")
 
         self.kernels = kernel_table(
             self.batch_sizes,
@@ -193,11 +197,11 @@ class KimiDSACores:
 
     @classmethod
     def from_vllm(cls, layers: Sequence[Any], vllm_config: Any, **overrides: Any) -> "KimiDSACores":
-        """Cores for a vLLM model: batch sizes from the cudagraph capture sizes and max_num_seqs.
+        """Cores for a vLLM model: every decode batch 1..R, R and the capacities from `serving.planned_rows`.
 
         layers: the DSA attention modules (e.g. `dsa_layers(model)`); vllm_config: vLLM's VllmConfig.
-        Every decode batch 1..R runs (eager batches are not padded), R = max(max capture size,
-        max_num_seqs); the capture sizes become the prims_ts plan capacities.
+        R = max(max_num_seqs * (1 + speculative tokens), largest capture size), at most max_num_batched_tokens;
+        the capture sizes up to R, and R, become the prims_ts plan capacities.
         overrides: any keyword of KimiDSACores (heads, width, kernels, table, ...).
         """
         if not layers:
@@ -206,9 +210,7 @@ class KimiDSACores:
         if pair is None:
             raise TypeError(f"layers[0] ({type(layers[0]).__name__}) has no .mla_attn.mla_attn.impl or .impl")
         impl = pair[0]
-        capture = sorted(int(s) for s in (getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()))
-        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        max_rows = max([max_seqs, *capture])
+        max_rows, capacities = planned_rows(vllm_config)
         dcp = int(getattr(impl, "dcp_world_size", 1) or 1)
         heads = getattr(impl, "q_pad_num_heads", None) or int(impl.num_heads) * dcp
         hf = getattr(vllm_config.model_config, "hf_text_config", None)
@@ -219,7 +221,7 @@ class KimiDSACores:
             batch_sizes=range(1, max_rows + 1),
             width=width,
             kv_cache_dtype=vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else None,
-            capacities=sorted(set(capture) | {max_rows}),
+            capacities=list(capacities),
         )
         kw.update(overrides)
         return cls(layers, **kw)
@@ -269,14 +271,15 @@ def register() -> None:
     Adds the package's VLLM_KIMI_DSA_* variables to vLLM's env validation, and, unless VLLM_KIMI_DSA_BACKEND=0,
     overrides FLASHINFER_MLA_SPARSE with this package's backend (vllm_backend.py), so `--attention-backend
     FLASHINFER_MLA_SPARSE` runs every DSA layer's sparse decode through FlashInferCore. With the switch at 0 it
-    clears its own override, and vLLM's class comes back. Idempotent. A bad VLLM_KIMI_DSA_* value, or a kernel-table
-    file that does not load, raises ValueError naming it: vLLM stops at startup instead of running something else.
+    clears its own override, and vLLM's class comes back. Idempotent. A bad VLLM_KIMI_DSA_* value, or (with the
+    backend on) a kernel-table file that does not load, raises ValueError naming it: vLLM stops at startup.
     """
     global _registered
     envs.register_with_vllm()
     enabled = envs.backend_enabled()
+    envs.gluon_choice()  # a bad value raises here, at startup, not in the first decode step
     path = envs.kernel_table_path()
-    if path:
+    if path and enabled:
         from vllm_kimi_dsa import selection
 
         try:
