@@ -1,12 +1,12 @@
-"""benchmarks/: the suite's metrics, data and plain-torch baseline on a CPU, the plots and README table from a
-synthetic bench_suite.json, the peer's scale mapping, and run_h200.sh's shape (syntax, <= 8 output files).
+"""benchmarks/ and tools/: the suite's metrics, data and plain-torch baseline on a CPU, the plots and README table from
+a synthetic bench_suite.json, the peer's scale mapping, the device runner's steps (tools/device_run.sh, dry run), and
+the developer benchmarks' set-up.
 
 CPU only, about 10 s (most of it matplotlib and one 3-row K=2048 reference); nothing here times anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -19,6 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_suite as bs  # noqa: E402
 import peer_fa3  # noqa: E402
@@ -169,28 +170,49 @@ def test_plot_rejects_other_json(tmp_path):
         plot.load(p)
 
 
-# ---------------------------------------------------------------- run_h200.sh
+# ---------------------------------------------------------------- tools/device_run.sh
 
 
-def test_run_h200_script_shape():
-    script = ROOT / "benchmarks" / "run_h200.sh"
+def _device_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
-    outs = set(re.findall(r'\$OUT/([A-Za-z0-9_.]+)', text))
-    outs.discard("")
-    # bench_suite.json comes from the suite's --out; the device tool returns at most 8 files
-    assert outs | {"bench_suite.json"} <= {"summary.txt", "tests.log", "junit.xml", "bench.log", "bench_suite.json",
-                                          "tune.log", "kernel_table.json", "sanitizer.log"}, outs
-    assert "--skip-sanitizer" in text and "fi_site.tar.xz" in text and "FLASHINFER_CUDA_ARCH_LIST=9.0a" in text
+    return subprocess.run(["bash", str(ROOT / "tools" / "device_run.sh"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "DRY": "1", "OUT": str(tmp_path)}, timeout=60)
+
+
+def test_device_run_steps(tmp_path: Path) -> None:
+    """The runner's steps, dry: each "+"-joined step becomes one command with its arguments; the default test list,
+    the suite without a carried peer, racecheck's tiny default case, ncu of profile_gluon."""
+    r = _device_run(tmp_path, "tests", "+", "tests", "tests/test_gluon_seesaw.py", "-k", "quick", "+", "suite",
+                    "--quick", "+", "memcheck", "+", "racecheck", "+", "racecheck", "tools/racecheck_gluon.py", "seesaw",
+                    "+", "ncu", "--kernel", "few", "+", "py", "-m", "vllm_kimi_dsa", "tune", "--out", "t.json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 8, lines
+    for f in re.findall(r"tests/\S+\.py", lines[0]):
+        assert (ROOT / f).is_file(), f  # every default GPU test file exists
+    assert "tests/test_gluon_seesaw.py -k quick" in lines[1] and "1_junit" in lines[0] and "2_junit" in lines[1]
+    assert lines[2].endswith(f"-m vllm_kimi_dsa bench --out {tmp_path} --no-peer --quick")
+    assert "--tool memcheck" in lines[3] and lines[3].endswith("tools/sanitize_case.py")
+    assert "--tool racecheck" in lines[4] and lines[4].endswith("tools/sanitize_case.py --tiny")
+    assert lines[5].endswith("tools/racecheck_gluon.py seesaw")
+    assert lines[6].endswith("tools/profile_gluon.py --kernel few")
+    assert lines[7] == "python3 -m vllm_kimi_dsa tune --out t.json"
+
+
+def test_device_run_usage_and_bad_step(tmp_path: Path) -> None:
+    r = _device_run(tmp_path)
+    assert r.returncode == 2 and "tools/device_run.sh [--t38]" in r.stdout
+    r = _device_run(tmp_path, "bogus")
+    assert r.returncode == 2 and "unknown step 'bogus'" in r.stdout
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "device_run.sh")], check=True)
 
 
 # ---------------------------------------------------------------- the Gluon benchmarks (CPU: their set-up only)
 
 
 def test_gluon_bench_variants_are_valid_params() -> None:
-    """Every variant the device scripts time is a shape the kernels take (a bad one would cost device time)."""
+    """Every variant the Gluon benches time is a shape the kernels take (a bad one would cost device time)."""
     import bench_few_heads as bfh
     import bench_gluon as bg
 
@@ -199,8 +221,7 @@ def test_gluon_bench_variants_are_valid_params() -> None:
     for overrides in bg.GLUON_VARIANTS.values():
         GluonParams(**bg.kernel_params(overrides)[0])
     for name in bfh.VARIANTS:
-        params = bfh._params(name)
-        assert params.nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
+        assert bfh._params(name).nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
     for name in bfh.NAMES:
         for heads in (12, 16, 32):
             assert bfh._config(name, heads).block_n in (32, 64)
@@ -215,7 +236,7 @@ def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
 
     cfg = td.Config(block_h=16, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=2.0)
     rows, heads, width = 5, 16, 2048  # 4 whole rows (one wave), then one row split 4 ways
-    plan = td.choose_plan(rows, heads, width, dataclasses.replace(cfg, tail_split=True), td.num_sms(torch.device("cpu")))
+    plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(torch.device("cpu")))
     assert plan == (4, 4), plan
     q = torch.zeros(rows, heads, 576)
     slots = torch.zeros(rows, width, dtype=torch.int32)
@@ -233,22 +254,17 @@ def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
 
 @pytest.mark.parametrize("name", ["triton-tail", "triton-tail-nvfp4"])
 def test_tl_tail_variant_matches_the_reference(name: str) -> None:
-    """bench_few_heads' "triton-tail*" runners (the `tl` kernel through the tail-split plan) compute the decode: in
-    the interpreter, 10 rows of 16 heads at width 256 (8 whole rows, then 2 split 4 ways on the interpreter's 4
-    'SMs' x 2 CTAs),
-    holes and a count-0 row, outputs poisoned; bound as test_triton_decode's fp8-wgmma-free path (bf16 output)."""
+    """bench_few_heads' "triton-tail*" runners (the plain kernel through choose_plan's plan) compute the decode: in the
+    interpreter, 10 rows of 16 heads at width 256 (8 whole rows, then 2 split 4 ways on the interpreter's 4 'SMs' x 2
+    CTAs), holes and a count-0 row, outputs poisoned; bound as test_triton_decode's fp8-wgmma-free path (bf16 output)."""
     import bench_few_heads as bfh
 
     from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
-
-    g = torch.Generator().manual_seed(3)
-    import dataclasses as dc
-
     from vllm_kimi_dsa.kernels import triton_decode as td
 
+    g = torch.Generator().manual_seed(3)
     fmt, rows, heads, width = bfh._fmt(name), 10, 16, 256
-    cfg = dc.replace(bfh._config(name, heads), tail_split=True)
-    assert td.choose_plan(rows, heads, width, cfg, td.num_sms(torch.device("cpu"))) == (8, 4)
+    assert td.choose_plan(rows, heads, width, bfh._config(name, heads), td.num_sms(torch.device("cpu"))) == (8, 4)
     kv = quantize_rows(torch.randn(300, 576, generator=g) * 8, fmt)
     q = (torch.randn(rows, heads, 576, generator=g) * 4).to(torch.float8_e4m3fn)
     slots = torch.randint(0, 300, (rows, width), generator=g, dtype=torch.int32)
@@ -256,7 +272,8 @@ def test_tl_tail_variant_matches_the_reference(name: str) -> None:
     counts = torch.tensor([width, 0, 100, width - 1, 37, 1, width, 200, 0, 129], dtype=torch.int32)  # 0s at the seam
     out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((rows, heads), float("nan"))
-    bfh._runner(name, q, kv, slots, counts, out, lse, None, 1)()
+    ws = bfh._workspace(name, heads, rows, torch.device("cpu"))
+    bfh._runner(name, q, kv, slots, counts, out, lse, ws)()
     ref, ref_lse = reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=bfh.SSCALE, output_scale=bfh.OSCALE)
     assert torch.isfinite(out).all() and (out[[1, 8]] == 0).all() and torch.isneginf(lse[[1, 8]]).all()
     # bf16 output: 2**-8 relative a value; the norm of the error over the norm of the output well inside 1e-2
@@ -295,7 +312,7 @@ def test_plot_gluon_draws_both_benches(tmp_path: Path) -> None:
     gluon = tmp_path / "gluon_bench.json"
     gluon.write_text(json.dumps({"K": 2048, "heads": 128, "results": {"seesaw-tail": times(12.0)}}))
     png = tmp_path / "g.png"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_gluon.py"), "--few", str(few), "--gluon",
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_gluon.py"), "--few", str(few), "--gluon",
                         str(gluon), "--out", str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert png.stat().st_size > 10_000

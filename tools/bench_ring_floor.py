@@ -14,8 +14,8 @@ So the gap between the real kernel and "convert" is the consumer's, between "con
 converter's, and "gather" vs its stage count says how the rate grows with the bytes in flight (Little's law: rate =
 bytes in flight / latency). One CTA a (split, row), the grid and split ranges of the real kernel.
 
-    PYTHONPATH=. python3 benchmarks/bench_ring_floor.py --out DIR [--rows 264] [--splits 1] [--only NAMES]
-    python3 benchmarks/bench_ring_floor.py --compile-only     # any machine: each variant compiled for sm_90a
+    PYTHONPATH=. python3 tools/bench_ring_floor.py --out DIR [--rows 264] [--splits 1] [--only NAMES]
+    python3 tools/bench_ring_floor.py --compile-only     # any machine: each variant compiled for sm_90a
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import triton
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "benchmarks"))  # bench_gluon
 
 from vllm_kimi_dsa.formats import quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_decode as gd  # noqa: E402
@@ -185,7 +185,7 @@ def main() -> None:
                 print(f"RESULT {v['name']} shared {compile_variant(v).metadata.shared}")
         return
     from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated
-    from bench_suite import ceilings
+    from vllm_kimi_dsa.bench import ceilings
 
     dev = torch.device("cuda")
     ceil = ceilings(dev, quick=True)

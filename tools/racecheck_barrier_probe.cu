@@ -1,5 +1,5 @@
 // Which CTA barrier forms compute-sanitizer's racecheck follows: the hand-off Triton's warp specialization
-// lowers to (benchmarks/racecheck_probe.py mode 0), in plain CUDA. 8 warps; warps 0-3 (Triton's default partition)
+// lowers to (tools/racecheck_probe.py mode 0), in plain CUDA. 8 warps; warps 0-3 (Triton's default partition)
 // each store a 4-byte state word (one byte per worker warp, as Triton's st.shared.b32), a barrier of all 256
 // threads, warps 4-7 read their byte; a second round writes a new state after two more barriers (Triton's exit).
 // FORM picks the barrier: 0 `barrier.sync 1;` (Triton's: non-aligned, no thread count), 1 `barrier.sync 1, 256;`,

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where a warp-specialized kernel's warps wait: read ncu's per-SASS source page (CSV) and sum the stall samples of
 each hot loop (a backward branch over > 50 instructions; QGMMA inside: a consumer, LDGSTS: the producer), then list
-the top instructions. Made by benchmarks/device_profile_gluon.sh (sass_source.csv):
+the top instructions. Made by `tools/device_run.sh ncu` (its sass CSV):
 
-    python3 benchmarks/ncu_stalls.py sass_source.csv [--top 25]
+    python3 tools/ncu_stalls.py sass_source.csv [--top 25]
 """
 
 from __future__ import annotations

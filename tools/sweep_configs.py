@@ -4,7 +4,7 @@
 Every config of CANDIDATES runs on the same data in one process (so the ratios are fair), K = 2048, inputs rotated
 past the L2. The occupancy each compiled kernel gets (registers, shared memory) is printed beside its time.
 
-    PYTHONPATH=. python3 benchmarks/sweep_configs.py --out DIR [--only fp8]
+    PYTHONPATH=. python3 tools/sweep_configs.py --out DIR [--only fp8]
 """
 
 from __future__ import annotations
@@ -20,34 +20,31 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels.triton_decode import Config, choose_splits, make_workspace, sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
-from bench_suite import ceilings  # noqa: E402
+from vllm_kimi_dsa.bench import ceilings  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20
 SCALE = 1.0 / math.sqrt(192.0)
 
 
-def C(bh, bn, w, st, f16=False, imp=0, pf=False, lazy=False, swap=False, cps=1, ptx=True):
-    return Config(block_h=bh, block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps, qk_f16=f16, imprecise=imp,
-                  prefetch=pf, lazy=lazy, swap=swap, ptx=ptx)
+def C(bh, bn, w, st, pf=False, lazy=False, swap=False, cps=1):
+    return Config(block_h=bh, block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=cps, prefetch=pf, lazy=lazy,
+                  swap=swap)
 
 
-# Round 5 (rounds 1-4: results/h200-2026-12-03/sweep_round*.{json,log}, ncu_round2.txt): the inline-PTX e2m1 decode
-# against its Triton twin (ptx=False, the round-4 kernel) on the nvfp4 defaults; 16 warps (4 warpgroups, 64
-# accumulator registers a thread) for the 64-head fp8 tile; nvfp4 at 32 heads as 16-head blocks x 2; nvfp4 tiles
-# that the cheaper decode may now afford. The current default first.
+# The plain kernel's shipped configs (triton_decode.default_config) first, then the tiles next to them. Where it
+# still ships: nvfp4_ds_mla at > 32 heads, and everywhere the Gluon kernels do not run. Earlier rounds' candidates
+# and results: docs/history.md v3 / v4.
 FP8_128 = [C(64, 64, 8, 2), C(64, 64, 16, 2), C(64, 32, 16, 2)]
-NV_128 = [C(64, 64, 8, 2), C(64, 64, 8, 2, ptx=False), C(64, 32, 8, 3)]
-NV_32 = [C(32, 32, 8, 1, pf=True, lazy=True), C(16, 32, 4, 1, pf=True, lazy=True, cps=2)]
-NV_12 = [C(16, 32, 4, 1, pf=True, lazy=True, cps=2), C(16, 32, 4, 1, pf=True, lazy=True, cps=2, ptx=False),
-         C(16, 32, 4, 2, cps=2), C(16, 64, 4, 1, pf=True, lazy=True, cps=2)]
+NV_128 = [C(64, 64, 8, 2), C(64, 32, 8, 3)]
+NV_32 = [C(16, 32, 4, 1, pf=True, lazy=True, cps=2), C(32, 32, 8, 1, pf=True, lazy=True)]
+NV_12 = [C(16, 32, 4, 1, pf=True, lazy=True, cps=2), C(16, 32, 4, 2, cps=2), C(16, 64, 4, 1, pf=True, lazy=True, cps=2)]
 CANDIDATES = {("fp8", 128): FP8_128, ("nvfp4_ds_mla", 128): NV_128, ("nvfp4_ds_mla", 32): NV_32,
               ("nvfp4_ds_mla", 12): NV_12}
 ROWS = {128: (5, 20, 80, 320), 96: (5, 80, 320), 32: (5, 80, 320), 16: (5, 80, 320), 12: (5, 80, 320)}
@@ -166,8 +163,8 @@ def main():
             occ = min(65536 // max(1, regs * threads), (232448 - 1024) // max(1, smem + 1024)) if regs > 0 else -1
             rec = dict(fmt=fmt, heads=heads, config=cfg.__dict__, rel_l2=rel, lse_err=lse_err, ok=ok, regs=regs,
                        spills=spills, smem=smem, ctas_per_sm=occ, compile_s=comp, times={})
-            line = f"{name:22s} bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} f16={int(cfg.qk_f16)} " \
-                   f"imp{cfg.imprecise} pf{int(cfg.prefetch)} lz{int(cfg.lazy)} sw{int(cfg.swap)} ptx{int(cfg.ptx)}: " \
+            line = f"{name:22s} bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} " \
+                   f"pf{int(cfg.prefetch)} lz{int(cfg.lazy)} sw{int(cfg.swap)}: " \
                    f"regs {regs} spill {spills} smem {smem // 1024}K occ {occ} | rel {rel:.1e} lse {lse_err:.1e} {'ok' if ok else 'BAD'} |"
             cfg_occ = Config(**{**cfg.__dict__, "ctas_per_sm": max(1, occ)})
             for rows in ROWS[heads]:

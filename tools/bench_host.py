@@ -11,7 +11,7 @@ Per (heads, rows), on the same inputs (host cost is the question, not HBM, so no
   graph_us  the layers captured in one graph, the median replay per layer-step (tune.cuda_graph_time_us)
 host_us >= graph_us means an eager step is host-bound.
 
-    python3 benchmarks/bench_host.py --out DIR [--heads 128,16] [--rows 1,5,20,80] [--layers 8] [--reps 16]
+    python3 tools/bench_host.py --out DIR [--heads 128,16] [--rows 1,5,20,80] [--layers 8] [--reps 16]
 
 GPU only. Writes host_bench.json.
 """

@@ -1,9 +1,9 @@
 """Two launches of a Gluon decode kernel for ncu: profile the second with `ncu -k regex:<kernel> -s 1 -c 1 ...`
-(benchmarks/device_profile_gluon.sh). Default: the 64-head kernel, H=128, K=2048, fp8, 80 rows, one split;
+(`bash tools/device_run.sh ncu ARGS`). Default: the 64-head kernel, H=128, K=2048, fp8, 80 rows, one split;
 `--kernel few` the few-heads kernel (default H=16, 264 rows: two full waves of 132 SMs); `--kernel seesaw`
 gluon_seesaw's 64-head kernel.
 
-    python3 benchmarks/profile_gluon.py [--kernel gluon|few|seesaw] [--rows N] [--heads H] [--params k=v,...]
+    python3 tools/profile_gluon.py [--kernel gluon|few|seesaw] [--rows N] [--heads H] [--params k=v,...]
         [--width K] [--splits S]
 
 --params: FewHeadsParams (few) or SeesawParams (seesaw) overrides (e.g. reg_v=1,k_stages=4).

@@ -2,7 +2,7 @@
 report names the shared-memory offsets, to tell the kernel's own buffers (Q, K ring, V16, mbarriers: the first
 ~176.5 KB) from the state Triton's warp_specialize lowering keeps after them.
 
-    python3 benchmarks/racecheck_gluon.py [gluon|seesaw] [field=value ...]
+    python3 tools/racecheck_gluon.py [gluon|seesaw] [field=value ...]
 (the 64-head kernel or the seesaw kernel, default gluon; fields: GluonParams' / SeesawParams' overrides, integers)"""
 
 from __future__ import annotations

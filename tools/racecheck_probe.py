@@ -10,7 +10,7 @@ the hand-off:
   2  store, every thread's cp.async.mbarrier.arrive.noinc (count 128), the other waits
   3  store, a named barrier of both warpgroups (inline `bar.sync 15, 256`), load
 
-    python3 benchmarks/racecheck_probe.py MODE [--compile-only]
+    python3 tools/racecheck_probe.py MODE [--compile-only]
 
 prints whether the swapped values are right; run it under racecheck to see which modes it reports. With
 --compile-only it compiles all modes for sm_90a (no GPU) and prints each kernel's named barriers."""

@@ -4,7 +4,7 @@
 against the shared buffer it writes or reads, for both row formats, plus the layouts they replaced (NOTES v12) as a
 negative control. tests/test_sm90_compile.py runs it.
 
-    python benchmarks/bank_conflicts.py [BLOCK_N [CVT_ROWS]]   # prints "RESULT <access> <excess>" lines
+    python tools/bank_conflicts.py [BLOCK_N [CVT_ROWS]]   # prints "RESULT <access> <excess>" lines
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Pictures of the Hopper Gluon kernels' runs: few_heads_bench.json (bench_few_heads.py: µs vs rows at H = 16 / 12
 with the copy-bandwidth floor of the same run) and gluon_bench.json (bench_gluon.py: µs vs rows at H = 128).
 
-    python3 benchmarks/plot_gluon.py --few FEW_JSON [--gluon GLUON_JSON] [--few-keys few/H16,few-tail/H16] --out PNG
+    python3 tools/plot_gluon.py --few FEW_JSON [--gluon GLUON_JSON] [--few-keys few/H16,few-tail/H16] --out PNG
 
 The few-heads panel draws FP8-cache runs only (its floor is the 576-byte rows at the copy bandwidth), or the
 keys given.

@@ -3,10 +3,10 @@
 
 A Triton kernel that only gathers (16 rows a program, 16-byte loads, an xor-reduction so nothing is written but one
 word a program) times reading rows x K rows of `row_bytes` at random slots of a 1 Mi-row cache, and the same rows
-in order, against the copy bandwidth of the same run (bytes read + written / s, bench_suite.ceilings). No MMA, no
+in order, against the copy bandwidth of the same run (bytes read + written / s, vllm_kimi_dsa.bench.ceilings). No MMA, no
 shared memory, many CTAs an SM: what a decode kernel could reach if its gathers were all it did.
 
-    PYTHONPATH=. python3 benchmarks/bench_gather_floor.py --out DIR
+    PYTHONPATH=. python3 tools/bench_gather_floor.py --out DIR
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
-from bench_suite import ceilings  # noqa: E402
+from vllm_kimi_dsa.bench import ceilings  # noqa: E402
 
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 

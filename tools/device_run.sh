@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The device runner: GPU tests, the benchmark suite, profiles and sanitizer runs of the shipped kernels, as steps of
+# one device call (the `run` tool: repo root, torch + Triton 3.6, no vLLM / FlashInfer; what lands in $OUT comes back).
+#   bash tools/device_run.sh [--t38] [--budget S] STEP [ARGS...] [+ STEP [ARGS...]]...
+# Steps (each under `timeout` with what is left of the budget: a hang, e.g. an mbarrier phase bug, shows as rc 124):
+#   tests [PYTEST ARGS]        pytest -q -rs of ARGS (default: the GPU test files, $GPU_TESTS)
+#   suite [BENCH ARGS]         python -m vllm_kimi_dsa bench --out $OUT; the fa3 peer from .carry/fi when carried
+#                              (/work/shared/device/flashinfer-sm90/prepare.sh .carry/fi), else --no-peer
+#   memcheck [SCRIPT] [ARGS]   compute-sanitizer memcheck of tools/sanitize_case.py ARGS (or of SCRIPT.py ARGS)
+#   racecheck [SCRIPT] [ARGS]  racecheck the same way (default ARGS: --tiny); hazards counted by source line
+#   ncu [PROFILE ARGS]         ncu of tools/profile_gluon.py ARGS (e.g. --kernel seesaw --rows 32 --splits 2): the
+#                              main sections and the per-SASS stall samples by loop (tools/ncu_stalls.py)
+#   py SCRIPT.py|-m MOD [ARGS] any Python, e.g. benchmarks/bench_gluon.py --out $OUT ... or -m vllm_kimi_dsa tune
+# --t38: Triton 3.8 (vLLM 0.33's) from .carry/t38 ahead of the image's Triton, Gluon kernels forced
+# (VLLM_KIMI_DSA_GLUON=1); pack it here first (not on the device): bash tools/device_run.sh pack-t38 [DEST].
+# --budget S: seconds for all steps (default 560). $OUT gets summary.txt and one log a step (N_STEP.log); past 8 files
+# (what the tool returns) all but summary.txt and bench_suite.json go into logs.tgz. DRY=1 prints the steps only.
+set -u -o pipefail
+GPU_TESTS=${GPU_TESTS:-"tests/test_convert.py tests/test_triton_decode.py tests/test_gluon_decode.py
+  tests/test_gluon_seesaw.py tests/test_gluon_few_heads.py tests/test_gluon_partials.py tests/test_gluon_selection.py
+  tests/test_lead_split.py tests/test_core.py tests/test_dcp.py tests/test_graphs.py tests/test_bad_input.py
+  tests/test_serving.py"}
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/device_out}
+BUDGET=560
+T0=$(date +%s)
+
+if [ "${1:-}" = pack-t38 ]; then  # Triton 3.8's cp312 wheel less what a compile and launch do not use: ~56 MB xz
+  DEST=${2:-.carry/t38}; W=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$W/whl" triton==3.8.0 || exit 1
+  mkdir -p "$W/site" "$DEST" && (cd "$W/site" && python3 -m zipfile -e "$W"/whl/triton-3.8.0-*.whl .)
+  T=$W/site/triton
+  rm -rf "$T/backends/nvidia/lib/cupti" "$T/backends/nvidia/lib/cupti-blackwell" \
+    "$T/backends/nvidia/bin/ptxas-blackwell" "$T/_C/libproton.so"
+  chmod +x "$T"/backends/nvidia/bin/* && strip --strip-unneeded "$T/_C/libtriton.so"
+  tar -cf - -C "$W/site" . | xz -T0 -6 > "$DEST/t38.tar.xz" && rm -rf "$W" && ls -la "$DEST/t38.tar.xz"
+  exit
+fi
+
+export PYTHONPATH=$ROOT PYTHONUNBUFFERED=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --t38) mkdir -p /tmp/t38 && tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || { echo "no .carry/t38"; exit 3; }
+           export PYTHONPATH=/tmp/t38:$ROOT VLLM_KIMI_DSA_GLUON=1; shift;;
+    --budget) BUDGET=$2; shift 2;;
+    *) break;;
+  esac
+done
+[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
+mkdir -p "$OUT"
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+[ -n "${DRY:-}" ] || say "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1);" \
+  "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1)"
+
+# run N STEP CMD...: CMD under timeout (what is left of the budget), its output in $OUT/N_STEP.log
+run() {
+  local log="$OUT/$1_$2.log" left=$(( BUDGET - $(date +%s) + T0 )); shift 2
+  if [ -n "${DRY:-}" ]; then echo "$*"; return 0; fi
+  [ "$left" -ge 15 ] || { say "== $(basename "$log" .log) skipped: ${left}s left"; return 0; }
+  timeout -k 10 "$left" "$@" > "$log" 2>&1
+  local rc=$?
+  say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-150)"
+  return $rc
+}
+# peer: the FlashInfer tree prepare.sh packed, unpacked for the suite's JIT (sm_90a, 16 jobs, a libcuda link shim)
+peer_env() {
+  [ -f .carry/fi/fi_site.tar.xz ] || return 1
+  [ -n "${DRY:-}" ] || [ -d /tmp/fi/site ] || { mkdir -p /tmp/fi && tar -xJf .carry/fi/fi_site.tar.xz -C /tmp/fi; } || return 1
+  export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
+  local ch; ch=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+  if [ ! -e "$ch/lib64/stubs/libcuda.so" ] && [ ! -e "$ch/lib64/libcuda.so" ]; then
+    mkdir -p /tmp/culink && ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so
+    export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/culink
+  fi
+}
+step() {  # N STEP ARGS...
+  local n=$1 s=$2; shift 2
+  case $s in
+    tests) [ $# -gt 0 ] || set -- $GPU_TESTS
+           run "$n" tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/${n}_junit.xml" "$@";;
+    suite) local peer=--no-peer; peer_env && peer=
+           run "$n" suite python3 -m vllm_kimi_dsa bench --out "$OUT" $peer "$@";;
+    memcheck|racecheck)
+           local script=tools/sanitize_case.py opts=(--tool memcheck --error-exitcode 9)
+           case ${1:-} in *.py) script=$1; shift;; esac
+           if [ "$s" = racecheck ]; then
+             opts=(--tool racecheck --racecheck-report hazard --print-limit 100000 --error-exitcode 9)
+             [ $# -gt 0 ] || [ "$script" != tools/sanitize_case.py ] || set -- --tiny
+           fi
+           [ -n "$CS${DRY:-}" ] || { say "== ${n}_$s: no compute-sanitizer here"; return 1; }
+           run "$n" "$s" "$CS" "${opts[@]}" python3 "$script" "$@"
+           [ -n "${DRY:-}" ] || grep -oE "access at [A-Za-z0-9_]+\+0x[0-9a-f]+ in [A-Za-z0-9_.]+:[0-9]+" \
+             "$OUT/${n}_$s.log" | sed 's/+0x[0-9a-f]*//' | sort | uniq -c | sort -rn | head -6 | tee -a "$OUT/summary.txt"
+           [ -n "${DRY:-}" ] || gzip -f "$OUT/${n}_$s.log";;
+    ncu)   local rep=/tmp/ncu_$n
+           run "$n" ncu "$NCU" --clock-control none -k "regex:decode_kernel|few_heads_kernel" -s 1 -c 1 \
+             --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+             --section MemoryWorkloadAnalysis --section SourceCounters -o "$rep" -f python3 tools/profile_gluon.py "$@"
+           [ -n "${DRY:-}" ] || { "$NCU" -i "$rep.ncu-rep" >> "$OUT/${n}_ncu.log" 2>&1
+             "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
+             python3 tools/ncu_stalls.py "$rep.csv" --top 20 >> "$OUT/${n}_ncu.log" 2>&1
+             grep -E "Duration|DRAM Throughput|Registers Per|Warp Cycles Per Issued" "$OUT/${n}_ncu.log" | head -8; };;
+    py)    run "$n" py python3 "$@";;
+    *)     echo "unknown step '$s' (tests, suite, memcheck, racecheck, ncu, py)"; exit 2;;
+  esac
+}
+
+n=0; args=()
+for a in "$@" +; do
+  if [ "$a" = + ]; then
+    [ ${#args[@]} -gt 0 ] && { n=$((n + 1)); step "$n" "${args[@]}"; }
+    args=()
+  else args+=("$a"); fi
+done
+[ -n "${DRY:-}" ] && exit 0
+files=$(cd "$OUT" && find . -type f | wc -l)
+if [ "$files" -gt 8 ]; then
+  (cd "$OUT" && tar czf logs.tgz --exclude=./summary.txt --exclude=./bench_suite.json --exclude=./logs.tgz . &&
+    find . -type f ! -name summary.txt ! -name bench_suite.json ! -name logs.tgz -delete)
+fi
+say "== total $(( $(date +%s) - T0 ))s; in \$OUT: $(cd "$OUT" && find . -type f | sed 's#^\./##' | tr '\n' ' ')"
+! grep -qE "rc=[1-9]" "$OUT/summary.txt"
