@@ -3,16 +3,17 @@
 
 bench_gather_floor.py shows the H200 reads random 576-byte rows at ~0.92-1.04 of the copy bandwidth with plain
 loads and many CTAs an SM. The few-heads kernel (one CTA an SM, gluon_decode._gatherer's cp.async into a K ring of
-K_STAGES x 36 KB) reaches ~0.67 (NOTES v12). This kernel runs the very same `_gatherer` (and, in "convert" mode,
-`_converter` into the V16 ring) against a default partition that only waits for each tile and frees it at once:
+K_STAGES x 36 KB) reached ~0.67 (docs/history.md v12). This kernel runs the very same `_gatherer` (and, in "convert"
+mode, the 64-head kernel's e4m3 -> fp16 conversion step `_convert_tile` into a V16 ring, in a warpgroup of its own)
+against a default partition that only waits for each tile and frees it at once:
 
 - mode "gather": the ring alone, K_STAGES 2..6 (fp8, 36 KB a stage) or 3..9 (nvfp4_ds_mla, 22.5 KB a stage);
-- mode "convert": gathers + the e4m3 -> fp16 conversion (K ring 4, V16 2 halves, the few-heads default);
-- "few": the real few-heads kernel (H = 16) on the same batch, in the same run.
+- mode "convert": gathers + the e4m3 -> fp16 conversion (K ring 4, V16 2 halves);
+- "few": the shipped few-heads kernel (H = 16, reg_v_params() / nvfp4_params()) on the same batch, in the same run.
 
-So the gap between the real kernel and "convert" is the consumer's, between "convert" and "gather" the
-converter's, and "gather" vs its stage count says how the rate grows with the bytes in flight (Little's law: rate =
-bytes in flight / latency). One CTA a (split, row), the grid and split ranges of the real kernel.
+So the gap between the real kernel and "gather" is the consumer's, between "convert" and "gather" the conversion's,
+and "gather" vs its stage count says how the rate grows with the bytes in flight (Little's law: rate = bytes in
+flight / latency). One CTA a (split, row), the grid and split ranges of the real kernel.
 
     PYTHONPATH=. python3 tools/bench_ring_floor.py --out DIR [--rows 264] [--splits 1] [--only NAMES]
     python3 tools/bench_ring_floor.py --compile-only     # any machine: each variant compiled for sm_90a
@@ -67,6 +68,13 @@ if gd.gl is not None:
         gl.store(out_ptr + pid * _BN + gl.arange(0, _BN, layout), acc)
 
     @gluon.jit
+    def _converter(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                   K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
+        """The 64-head kernel's conversion step (gluon_decode._convert_tile) over the tiles, as soon as each lands."""
+        for j in range(num_tiles):
+            gd._convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j, _BN, K_STAGES, V_SLOTS, _CVT_ROWS)
+
+    @gluon.jit
     def ring_kernel(kv_ptr, slots_ptr, counts_ptr, out_ptr, K, num_splits, stride_kv, stride_s_row,
                     K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CONVERT: gl.constexpr, NVFP4: gl.constexpr):
         """One (split, row): the few-heads kernel's gather ring (and converter) with no consumer math."""
@@ -104,8 +112,8 @@ if gd.gl is not None:
                     (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES)),
-                    (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-                                     _BN, K_STAGES, V_SLOTS, _CVT_ROWS)),
+                    (_converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
+                                  K_STAGES, V_SLOTS)),
                 ],
                 [4, 4],
                 [120, 128],
@@ -142,7 +150,7 @@ def variants() -> list[dict]:
     out += [dict(name=f"gather-k{k}-nvfp4", mode="gather", fmt="nvfp4_ds_mla", k_stages=k, v_slots=1)
             for k in (3, 4, 6, 9)]
     out += [dict(name="convert-k4v2", mode="convert", fmt="fp8", k_stages=4, v_slots=2),
-            dict(name="few", mode="few", fmt="fp8", k_stages=4, v_slots=2),
+            dict(name="few", mode="few", fmt="fp8", k_stages=3, v_slots=0),
             dict(name="few-nvfp4", mode="few", fmt="nvfp4_ds_mla", k_stages=3, v_slots=4)]
     return out
 
@@ -202,7 +210,7 @@ def main() -> None:
             kv = caches[v["fmt"]]
             rb = row_bytes(v["fmt"])
             if v["mode"] == "few":
-                params = gfh.nvfp4_params() if v["fmt"] != "fp8" else gfh.FewHeadsParams()
+                params = gfh.nvfp4_params() if v["fmt"] != "fp8" else gfh.reg_v_params()
 
                 def make_call(q, s, c, o, lse, ws, kv=kv, params=params):
                     return lambda: gfh.few_heads_sparse_mla_decode(
