@@ -322,9 +322,13 @@ def check_dcp_equals_tp(fmt: str, dcp: int, interleave: int, heads: int, width: 
     # Row 1 has one live rank: its weight is e^0 = 1 and the others' 0, so the merge returns rank 0's row as is.
     torch.testing.assert_close(out[1], outs[0][1].float(), atol=0, rtol=2.0**-20)
     torch.testing.assert_close(lse[1], lses[0][1], atol=0, rtol=2.0**-20)
-    # The check can fail: each broken merge's output is outside the bound somewhere.
-    for name, broken in BROKEN_MERGES.items():
-        assert not check(*broken(outs, lses, counts))[0], f"the bound does not reject a merge with {name}"
+    # The check can fail: each broken merge's output is outside the bound somewhere. Not where Hopper's fp8 wgmma
+    # runs Q.K: its worst-case logit bound (14-bit sums, conftest.wgmma_logit_bound) is wider at K = 2048 than a
+    # wrong-weight merge's error (measured on the H200, 2026-12-05); test_count0_ranks_dropped_against_hand_merge's
+    # exact hand merge is the check that fails there.
+    if not bool(run.logit.any()):
+        for name, broken in BROKEN_MERGES.items():
+            assert not check(*broken(outs, lses, counts))[0], f"the bound does not reject a merge with {name}"
 
 
 @pytest.fixture
@@ -407,8 +411,9 @@ def test_count0_ranks_dropped_against_hand_merge(monkeypatch, kernel, fmt):
                 assert not ok, f"{name} ({garbage} garbage) passed the hand-merge check on row {row}"
         check = tp_check(run, lses)
         assert check(out, lse) == (True, True), f"merge vs TP ({garbage}): {check(out, lse)}"
-        for name, broken in BROKEN_MERGES.items():
-            assert not check(*broken(outs, lses, run.counts))[0], f"TP bound does not reject {name} ({garbage})"
+        if not bool(run.logit.any()):  # see check_dcp_equals_tp: the wgmma bound is too wide to tell them apart
+            for name, broken in BROKEN_MERGES.items():
+                assert not check(*broken(outs, lses, run.counts))[0], f"TP bound does not reject {name} ({garbage})"
 
 
 def test_merge_drops_count0_ranks_plain_math():

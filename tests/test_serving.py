@@ -16,7 +16,7 @@ from decode_checks import check_decode
 
 from vllm_kimi_dsa import serving
 from vllm_kimi_dsa.convert import convert_topk_reference
-from vllm_kimi_dsa.formats import flat_kv_row_view
+from vllm_kimi_dsa.formats import HEAD_DIM, flat_kv_row_view, quantize_rows
 from vllm_kimi_dsa.serving import LayerStep, StepShape
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step
 
@@ -30,8 +30,18 @@ MAX_ROWS = 64 if GPU else 4
 
 
 def _vllm_inputs(rows: int, heads: int, fmt: str, seed: int, *, block_stride: int | None = 96):
-    """A step as vLLM hands it to the backend: flat rows compacted to a prefix in top-k order, counts."""
+    """A step as vLLM hands it to the backend: flat rows compacted to a prefix in top-k order, counts.
+
+    The cache holds quantized N(0, 1) rows (every 7th x8: large values, peaked softmax) and the query e4m3(1.5 z),
+    the data decode_checks' bounds are stated for (make_step's random cache bytes span e4m3's whole range)."""
     step = make_step(rows, heads, WIDTH, fmt, device=DEVICE, empty_rows=1, block_stride=block_stride, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    blocks, block_size, _ = step.cache.shape
+    x = torch.randn((blocks * block_size, HEAD_DIM), generator=g)
+    x[::7] *= 8.0
+    rows_bytes = quantize_rows(x, fmt).view(torch.uint8).view(blocks, block_size, -1)
+    step.cache.view(torch.uint8)[:] = rows_bytes.to(DEVICE)
+    step.query.copy_((torch.randn((rows, heads, HEAD_DIM), generator=g) * 1.5).to(torch.float8_e4m3fn).to(DEVICE))
     _, stride_rows = flat_kv_row_view(step.cache, 64)
     slots, counts = convert_topk_reference(
         step.topk, step.metadata.req_id_per_token, step.metadata.block_table,
