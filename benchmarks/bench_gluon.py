@@ -21,7 +21,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import triton
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -37,8 +36,6 @@ from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
 )
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import (  # noqa: E402
-    BLOCK_N,
-    SEESAW_MIN_TILES,
     SeesawParams,
     seesaw_sparse_mla_decode,
     seesaw_takes,
@@ -56,10 +53,7 @@ OSCALE = 0.125
 # "tail_split" is not a kernel parameter: the batch runs choose_plan's tail-split plan (whole waves unsplit, the rest
 # split) through the same kernel.
 GLUON_VARIANTS: dict[str, dict] = {"gluon": {}, "gluon-tail": {"tail_split": True}, "gluon-v2": {"v_slots": 2},
-                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4},
-                                   # the consumers' row-max rendezvous (GluonParams.x_sync)
-                                   "gluon-tail-x1": {"x_sync": 1, "tail_split": True},
-                                   "gluon-tail-x2": {"x_sync": 2, "tail_split": True}}
+                                   "gluon-bn32-ks4-vs4": {"block_n": 32, "k_stages": 4, "v_slots": 4}}
 # gluon_seesaw's kernel: name -> SeesawParams overrides (and "tail_split" as above)
 SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw": {}, "seesaw-tail": {"tail_split": True},
@@ -69,36 +63,11 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
-    "seesaw-h1-tail": {"handoff": 1, "tail_split": True},  # SeesawParams.handoff
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
-# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise; "mixed16-tail": the seesaw kernel on split launches of >= 16
-# tiles a CTA too (slower before the split partial's sector stores, NOTES v17 / v18)
-# "mixed-whole-tail": the rule before one-launch plans went to the seesaw kernel (only unsplit long rows did);
-# "mixed-min16-tail": the rule before SEESAW_MIN_TILES went 16 -> 8 (NOTES v21: measured as "mixed8-tail", the 8-tile
-# rule, against the shipped 16-tile one; the shipped rule is now the 8-tile one)
-MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail", "mixed16-tail", "mixed-whole-tail", "mixed-min16-tail")
-
-
-# a variant name's suffix: the same kernel and plan with fp32 split partials (make_workspace(partial_dtype=)), the
-# default before NOTES v19 (every other variant runs with td.PARTIAL_DTYPE's); P32_OF: the variants that have one
-P32 = "-p32"
-P32_OF: tuple[str, ...] = ("gluon-tail", "seesaw-tail", "mixed-tail")
-
-
-def split_name(name: str) -> tuple[str, torch.dtype]:
-    """(the variant without P32, the split partials' dtype it runs with)."""
-    return (name[: -len(P32)], torch.float32) if name.endswith(P32) else (name, td.PARTIAL_DTYPE)
-
-
-def partials_workspace(name: str, cfg: td.Config, rows: int, heads: int, splits: int, dev) -> td.Workspace | None:
-    """A one-off call's workspace in the variant's partial dtype (None for the default: the call makes its own)."""
-    dtype = split_name(name)[1]
-    if dtype == td.PARTIAL_DTYPE:
-        return None
-    return td.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), config=cfg, partial_dtype=dtype,
-                             min_entries=rows * max(splits, 32) * heads)
+# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise
+MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail",)
 
 
 def kernel_params(overrides: dict) -> tuple[dict, bool]:
@@ -109,17 +78,14 @@ def kernel_params(overrides: dict) -> tuple[dict, bool]:
 def tail_split_call(launch, cfg: td.Config, q, kv, slots, counts, out, lse, ws):
     """A call running choose_plan's tail-split plan for this batch through `launch` (a kernel module's launch with
     its params bound: launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, ws, splits))."""
-    cfg = dataclasses.replace(cfg, tail_split=True)
     rows, heads, width = q.shape[0], q.shape[1], slots.shape[1]
     plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(q.device))
     if ws is None or (plan[1] > 1 and (rows - plan[0]) * plan[1] * heads > ws.capacity):
-        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg,
-                               partial_dtype=td.PARTIAL_DTYPE if ws is None else ws.part_out.dtype)
+        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg)
     return lambda: td.run_plan(launch, plan, q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws)
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
-    name = split_name(name)[0]  # the partial dtype comes with ws
     if name == "triton":
         cfg = td.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
@@ -128,11 +94,7 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
         sp, gp = SeesawParams(), GluonParams()
 
         def takes(splits: int, alone: bool) -> bool:
-            if name == "mixed16-tail":
-                return alone or triton.cdiv(triton.cdiv(K, BLOCK_N), splits) >= SEESAW_MIN_TILES
-            if name == "mixed-min16-tail":
-                return alone or (splits == 1 and triton.cdiv(K, BLOCK_N) >= 16)
-            return seesaw_takes(K, splits, alone=alone and name == "mixed-tail")
+            return seesaw_takes(K, splits, alone=alone)
 
         def mixed(*args):  # args[0]: the launch's rows (all of them: a one-launch plan), args[-1]: its splits
             alone = args[0].shape[0] == q.shape[0]
@@ -153,12 +115,10 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
                                            lse=lse, workspace=ws, splits=splits, **dataclasses.asdict(params))
 
 
-def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g,
-                 partial_dtype: torch.dtype | None = None):
+def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int, dev, g):
     """µs per call of make_call(q, slots, counts, out, lse, ws)() at `rows` rows of `heads` heads, K = 2048 slots
     into a CACHE_ROWS cache of `row_nbytes`-byte rows, in a CUDA graph over input sets past 2x the L2, with split
-    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks) in partial_dtype (None:
-    td.PARTIAL_DTYPE). Also bench_few_heads'. Returns (µs, workspace, outs, lses, sets)."""
+    scratch for exactly `splits` splits (make_workspace sizes for choose_splits' picks). Also bench_few_heads'. Returns (µs, workspace, outs, lses, sets)."""
     sets = rotation_sets(rows * K * row_nbytes, lo=1, hi=24)
     qs = [(torch.randn(rows, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(sets)]
     ss = [torch.randint(0, CACHE_ROWS, (rows, K), device=dev, generator=g, dtype=torch.int32) for _ in range(sets)]
@@ -166,7 +126,7 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
     need = rows * splits * heads
-    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=partial_dtype or td.PARTIAL_DTYPE, device=dev),
+    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=td.PARTIAL_DTYPE, device=dev),
                       part_lse=torch.empty(need, device=dev),
                       dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
     us = cuda_graph_time_us([make_call(qs[i], ss[i], cs, outs[i], lses[i], ws) for i in range(sets)])
@@ -176,11 +136,10 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
 def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
     """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, HEADS, splits, row_bytes("fp8"), dev, g, split_name(name)[1])
+                        rows, HEADS, splits, row_bytes("fp8"), dev, g)
 
 
 def _config(name: str) -> td.Config:
-    name = split_name(name)[0]
     if name == "triton":
         return td.default_config(HEADS, "fp8")
     if name in MIXED_VARIANTS:
@@ -203,7 +162,7 @@ def main() -> None:
     a = p.parse_args()
     K = a.width
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS, *(n + P32 for n in P32_OF)]
+    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -228,8 +187,7 @@ def main() -> None:
             lse = torch.full((5, HEADS), float("nan"), device=dev)
             t0 = time.time()
             try:
-                h = _runner(name, q5, kv, s5, c5, out, lse, partials_workspace(name, _config(name), 5, HEADS, splits,
-                                                                               dev), splits)()
+                h = _runner(name, q5, kv, s5, c5, out, lse, None, splits)()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
                 rec["error"] = f"{type(e).__name__}: {e}"

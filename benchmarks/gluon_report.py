@@ -38,7 +38,8 @@ SIGNATURE = dict(
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
 # GluonParams overrides: the default, then one field changed at a time
-FEW_CONFIGS = [{}, {"k_stages": 3, "v_slots": 3}, {"split_producer": 0}]
+FEW_CONFIGS = [{}, {"ctas_per_sm": 2, "k_stages": 2, "pv_in_flight": 2, "producer_regs": 56, "pv_early": 1},
+               {"nvfp4": 1, "reg_v": 0, "k_stages": 3, "v_slots": 4}]
 SEESAW_CONFIGS = [{}, {"pv_in_flight": 1}, {"k_stages": 3}]
 CONFIGS = [{}, {"v_slots": 2}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",
@@ -64,18 +65,14 @@ def compile_gluon(kernel: str = "gluon", **overrides):
 
         fn, params_cls = g.gluon_decode_kernel, g.GluonParams
     heads = overrides.pop("heads", None)  # the few-heads kernel: > 16 heads compile its head-block variant
-    # the split partials' dtype: triton_decode.PARTIAL_DTYPE's (fp16), or fp32 with partials32=1
-    partials32 = overrides.pop("partials32", 0)
     base = params_cls()
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
     params = params_cls(**overrides)
     consts = g.kernel_constexprs(params, heads) if heads else g.kernel_constexprs(params)
     sig = dict(SIGNATURE)
-    if kernel == "few":  # its stream-K arguments (unused unless STREAM), in the kernel's argument order
-        sig = {n: sig.get(n, "i32") for n in fn.arg_names if n in sig or n in ("U", "TPC")}
     if overrides.get("nvfp4"):
         sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8
-    sig["part_out_ptr"] = "*fp32" if partials32 else _PARTIAL_SIG
+    sig["part_out_ptr"] = _PARTIAL_SIG
     sig.update({k: "constexpr" for k in consts})
     # what the JIT sees from torch allocations and K3.1's shapes: pointers, strides and K multiples of 16
     divisible = [n for n, t in SIGNATURE.items() if t.startswith("*") or n.startswith("stride") or n == "K"]
@@ -150,7 +147,7 @@ def main() -> None:
                    help="GluonParams / FewHeadsParams overrides as field=value,... e.g. v_slots=2,cvt_rows=16 "
                         "(repeatable; default: a list)")
     a = p.parse_args()
-    what = ("few_heads_kernel (consumer WG0, gatherer WG1, converter WG2)" if a.kernel == "few"
+    what = ("few_heads_kernel (reg_v: consumer WG0, gatherer WG1; nvfp4: + converter WG2)" if a.kernel == "few"
             else "gluon_decode_kernel (12 warps: WG0 + WG1 consumers, WG2 producer)")
     print(f"triton {triton.__version__}, target sm_90a, {what}")
     given = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",") if kv} for c in a.config]

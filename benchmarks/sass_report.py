@@ -87,9 +87,8 @@ def compile_config(fmt: str, cfg):
     from vllm_kimi_dsa.kernels import triton_decode as td
 
     sig = dict(SIGNATURE, kv_ptr="*u8" if fmt != "fp8" else "*fp8e4nv")
-    consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, QK_F16=cfg.qk_f16,
-                  IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap, PTX=cfg.ptx,
-                  LEAD=False)  # even splits: every plan of these configs
+    consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch,
+                  LAZY=cfg.lazy, SWAP=cfg.swap, PTX=True)
     return compile_kernel(td._decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
 
 

@@ -47,12 +47,10 @@ class Case:
     k_stages: int = 2
     v_slots: int = 3
     cvt_rows: int = 32
-    x_sync: int = 0
 
     def params(self) -> GluonParams:
         """The kernel's compile-time shape for this case (raises ValueError for one it cannot take)."""
-        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                           x_sync=self.x_sync)
+        return GluonParams(block_n=self.block_n, k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows)
 
 
 CASES = [
@@ -84,15 +82,8 @@ CASES = [
     Case(7, 96, 1024, splits=1, cvt_rows=8),
     Case(19, 128, 2048, splits=2, cvt_rows=16),
     Case(33, 64, 256, splits=1, block_n=32, k_stages=4, v_slots=4, cvt_rows=16),
-    # the consumers' row-max rendezvous: each thread's own arrive too, a named barrier (GluonParams.x_sync)
-    Case(5, 128, 2048, splits=3, x_sync=1),
-    Case(33, 96, 1024, splits=1, x_sync=1),
-    Case(5, 128, 2048, splits=11, x_sync=2),
-    Case(7, 64, 128, splits=1, x_sync=2),
-    Case(19, 128, 2048, splits=2, x_sync=2),
-    Case(33, 96, 1024, splits=1, x_sync=2),
-    Case(320, 128, 2048, x_sync=2),
-    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=4, x_sync=2),
+    Case(5, 128, 2048, splits=11),
+    Case(19, 96, 1024, splits=2, block_n=32, k_stages=4, v_slots=4),
 ]
 
 
@@ -134,8 +125,7 @@ def _poisoned(rows: int, heads: int):
 
 
 @GPU
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}"
-                         f"-x{c.x_sync}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-bn{c.block_n}-ks{c.k_stages}-vs{c.v_slots}-cvt{c.cvt_rows}")
 def test_matches_reference(case: Case) -> None:
     q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 7 + case.heads)
     out, lse = _poisoned(case.rows, case.heads)
@@ -223,7 +213,6 @@ def run_tail_split_plan(launch, cfg: triton_decode.Config, rows: int, heads: int
     """Inputs of `rows` rows (count-0 rows on both sides of the seam) through choose_plan's tail-split plan for cfg,
     by `launch` (a kernel module's launch with its params bound); returns (out, lse, q, kv, slots, counts, ss, os_)."""
     width = 2048
-    cfg = dataclasses.replace(cfg, tail_split=True)
     plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
     whole, splits = plan
     assert 0 < whole < rows and splits > 1, plan

@@ -14,7 +14,6 @@ on the faults a wrong nvfp4 layout would make.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -28,10 +27,8 @@ from vllm_kimi_dsa.kernels.gluon_few_heads import (
     FewHeadsParams,
     few_heads_config,
     few_heads_sparse_mla_decode,
-    launch_stream,
     nvfp4_params,
     reg_v_params,
-    stream_entries,
 )
 from vllm_kimi_dsa.reference import reference_decode
 
@@ -48,9 +45,8 @@ class Case:
     k_stages: int = 4
     v_slots: int = 2
     cvt_rows: int = 32
-    split_producer: bool = True
     nvfp4: bool = False
-    reg_v: bool = False
+    reg_v: bool = True
     pv_in_flight: int = 4
     ctas_per_sm: int = 1
     pv_early: bool = False
@@ -58,7 +54,7 @@ class Case:
     def params(self) -> FewHeadsParams:
         # two CTAs an SM leave the gatherer 56 registers (the consumer 200)
         return FewHeadsParams(k_stages=self.k_stages, v_slots=self.v_slots, cvt_rows=self.cvt_rows,
-                              split_producer=self.split_producer, nvfp4=self.nvfp4, reg_v=self.reg_v,
+                              nvfp4=self.nvfp4, reg_v=self.reg_v,
                               pv_in_flight=self.pv_in_flight, ctas_per_sm=self.ctas_per_sm, pv_early=self.pv_early,
                               producer_regs=56 if self.ctas_per_sm == 2 else 96)
 
@@ -66,42 +62,15 @@ class Case:
 def _case_id(c: Case) -> str:
     regv = f"-regv-pv{c.pv_in_flight}-cta{c.ctas_per_sm}{'-early' if c.pv_early else ''}" if c.reg_v else ""
     return (f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-vs{c.v_slots}"
-            f"-cvt{c.cvt_rows}-sp{int(c.split_producer)}{regv}")
+            f"-cvt{c.cvt_rows}{regv}")
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
     """An nvfp4_ds_mla case, on nvfp4_params()'s ring shape unless kw says otherwise."""
-    return Case(rows, heads, width, **{"k_stages": 3, "v_slots": 4, "nvfp4": True, **kw})
+    return Case(rows, heads, width, **{"k_stages": 3, "v_slots": 4, "nvfp4": True, "reg_v": False, **kw})
 
 
 CASES = [
-    Case(1, 16, 2048, splits=1),
-    Case(5, 16, 2048, splits=1),
-    Case(5, 12, 2048, splits=3),
-    Case(7, 12, 1024),
-    Case(7, 16, 1024, splits=1),
-    Case(33, 12, 128),
-    Case(33, 16, 2048, splits=1),
-    Case(19, 1, 1024, splits=2),
-    Case(320, 16, 2048),
-    Case(320, 12, 2048, splits=1),
-    Case(7, 16, 2048, splits=1, k_stages=3, v_slots=3),
-    Case(19, 12, 2048, splits=2, k_stages=3, v_slots=3),
-    Case(7, 16, 2048, splits=1, k_stages=2, v_slots=4),
-    Case(33, 12, 1024, splits=1, k_stages=2, v_slots=2),
-    Case(5, 16, 2048, splits=1, cvt_rows=16),
-    Case(320, 16, 2048, k_stages=3, v_slots=3),
-    # one producer warpgroup (gathers and conversions interleaved)
-    Case(5, 16, 2048, splits=1, split_producer=False),
-    Case(320, 12, 2048, split_producer=False),
-    Case(19, 12, 2048, splits=2, k_stages=3, v_slots=3, split_producer=False),
-    Case(33, 12, 128, splits=1, k_stages=2, v_slots=4, split_producer=False),
-    # 17..32 heads as 16-head blocks
-    Case(5, 32, 2048, splits=1),
-    Case(7, 24, 1024, splits=3),
-    Case(33, 20, 128),
-    Case(320, 32, 2048),
-    Case(19, 32, 2048, splits=2, split_producer=False),
     # P.V's latent through registers (reg_v): no converter, no V16 ring
     Case(1, 16, 2048, splits=1, reg_v=True, k_stages=5),
     Case(5, 12, 2048, splits=3, reg_v=True, k_stages=5),
@@ -140,12 +109,11 @@ NVFP4_CASES = [
 ]
 
 
-def _params(fmt: str, reg_v: bool | int = False) -> FewHeadsParams:
-    """The default params of a format, or (fp8) the reg_v option at one CTA an SM (reg_v True or 1: K ring 3) or
-    two (reg_v 2)."""
+def _params(fmt: str, reg_v: int = 1) -> FewHeadsParams:
+    """The params of a format: nvfp4_params(), or (fp8) reg_v at one CTA an SM (reg_v 1: K ring 3) or two (2)."""
     if fmt == "nvfp4_ds_mla":
         return nvfp4_params()
-    return reg_v_params(int(reg_v)) if reg_v else FewHeadsParams()
+    return reg_v_params(int(reg_v))
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
@@ -218,7 +186,7 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
     q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11, fmt=fmt)
     out_g, lse_g = _poisoned(20, 12)
     out_t, lse_t = _poisoned(20, 12)
-    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else FewHeadsParams()
+    params = nvfp4_params() if fmt == "nvfp4_ds_mla" else reg_v_params()
     few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out_g, lse=lse_g,
                                 params=params)
     triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out_t,
@@ -232,9 +200,8 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
 @GPU
 @pytest.mark.parametrize("fmt,splits,heads,reg_v", [
     pytest.param(f, s, h, r, id=f"{f}-s{s}-h{h}{f'-regv{int(r)}' if r else ''}")
-    for f, s, h, r in (("fp8", 1, 12, False), ("fp8", 4, 12, False), ("nvfp4_ds_mla", 3, 12, False),
-                       ("fp8", 2, 24, False), ("fp8", 4, 12, True), ("fp8", 2, 24, True), ("fp8", 4, 12, 2),
-                       ("fp8", 2, 24, 2))])
+    for f, s, h, r in (("nvfp4_ds_mla", 3, 12, False), ("fp8", 1, 12, True), ("fp8", 4, 12, True),
+                       ("fp8", 2, 24, True), ("fp8", 4, 12, 2), ("fp8", 2, 24, 2))])
 def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
@@ -252,71 +219,8 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int)
     _check(out, lse, q, kv, slots, counts, ss, os_, fmt=fmt)
 
 
-def _stream_pieces(rows: int, tiles: int, ctas: int):
-    """The segments a stream-K launch's CTAs take, as _regv_stream_consumer walks them: (cta, row, first tile, end
-    tile, whole row, piece 0 / 1)."""
-    units = rows * tiles
-    per = -(-units // ctas)
-    for cta in range(ctas):
-        u, end = cta * per, min(units, (cta + 1) * per)
-        first_row = u // tiles
-        while u < end:
-            row = u // tiles
-            seg_end = min(end, (row + 1) * tiles)
-            yield cta, row, u - row * tiles, seg_end - row * tiles, seg_end - u == tiles, int(row != first_row)
-            u = seg_end
-
-
-@pytest.mark.parametrize("ctas", [5, 13, 30])
-def test_stream_combine_merges_the_pieces(ctas: int) -> None:
-    """triton_decode.stream_combine (the interpreter on a CPU) against the reference: each CTA's piece of a row as the
-    stream-K kernel writes it (the reference over the piece's tiles: normalized O and base-2 LSE at entry
-    2 cta + piece), whole rows written to out directly. 6 rows of 4 tiles over 5 / 13 / 30 CTAs: pieces misaligned
-    with the rows, two a row, four a row (one tile each); count-0, 1-token and all-hole rows among them."""
-    rows, heads, width = 6, 12, 256
-    tiles = width // 64
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,),
-                                      config=few_heads_config(), min_entries=2 * ctas * heads)
-    ws.part_out.fill_(float("nan"))
-    out, lse = _poisoned(rows, heads)
-    for cta, row, t0, t1, whole, piece in _stream_pieces(rows, tiles, ctas):
-        seg_count = (counts[row:row + 1] - 64 * t0).clamp(0, 64 * (t1 - t0))
-        o, l_nat = reference_decode(q[row:row + 1], kv, slots[row:row + 1, 64 * t0:64 * t1].contiguous(), seg_count,
-                                    fmt="fp8", softmax_scale=ss, output_scale=os_)
-        if whole:
-            out[row], lse[row] = o[0].to(out.dtype), l_nat[0]
-        else:
-            entry = (2 * cta + piece) * heads
-            ws.part_out.view(-1, 512)[entry:entry + heads] = o[0] / os_
-            ws.part_lse[entry:entry + heads] = l_nat[0] / math.log(2.0)
-    triton_decode.stream_combine(ws, out, lse, tiles, -(-rows * tiles // ctas), os_)
-    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, wgmma=False)
-
-
 @GPU
-@pytest.mark.parametrize("rows,heads,width,ctas_per_sm", [
-    (1, 16, 2048, 2), (5, 12, 2048, 2), (7, 16, 1024, 2), (33, 12, 128, 2), (19, 1, 1024, 2), (80, 16, 2048, 2),
-    (160, 32, 2048, 2), (264, 16, 2048, 2), (320, 12, 2048, 2), (37, 16, 2048, 1), (45, 24, 1024, 1)])
-def test_stream_matches_reference(rows: int, heads: int, width: int, ctas_per_sm: int) -> None:
-    """The stream-K form (launch_stream, reg_v at one or two CTAs an SM) against the reference: rows split between
-    CTAs at every alignment, holes, count-0 / 1-token / all-hole rows, poisoned outputs (passed on the H200, Triton
-    3.6 and 3.8: results/h200-2026-12-04/stream-k)."""
-    import dataclasses
-
-    params = dataclasses.replace(reg_v_params(ctas_per_sm), stream=True)
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=40 + rows)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), config=params.config(heads),
-                                      min_entries=stream_entries(heads, params, triton_decode.num_sms(DEVICE)))
-    out, lse = _poisoned(rows, heads)
-    launch_stream(q, kv, slots, counts, out, lse, ss, os_, ws, params)
-    torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_)
-
-
-@GPU
-@pytest.mark.parametrize("fmt,heads,rows,reg_v", [("fp8", 16, 160, False), ("fp8", 32, 80, False),
-                                                  ("nvfp4_ds_mla", 12, 320, False), ("fp8", 12, 320, True),
+@pytest.mark.parametrize("fmt,heads,rows,reg_v", [("nvfp4_ds_mla", 12, 320, False), ("fp8", 12, 320, True),
                                                   ("fp8", 12, 320, 2), ("fp8", 32, 160, 2)])
 def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool | int) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
@@ -344,26 +248,24 @@ def test_cases_are_valid_params(case: Case) -> None:
 
 @GPU
 @pytest.mark.parametrize("heads", [12, 32])
-def test_kernel_class_runs_reg_v_from_its_row_threshold(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TritonDecode (fp8, few heads): batches below REG_V_MIN_ROWS (none now: it is 1) on the default params, from it
-    on reg_v (where verified); all match the reference, one workspace for all."""
+def test_kernel_class_runs_reg_v(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (fp8, few heads): every batch on reg_v (where verified), one or two CTAs an SM by plan cost; all
+    match the reference, one workspace for all."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
-    from vllm_kimi_dsa.kernels.gluon_few_heads import REG_V_MIN_ROWS, reg_v_verified
+    from vllm_kimi_dsa.kernels.triton_decode import TritonDecode
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
-    small, large, width = 5, REG_V_MIN_ROWS + 17, 1024
-    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(small, large, 81), capacities=(),
+    width = 1024
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(5, 18, 81), capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=0.04, output_scale=0.37)
-    k = triton_decode.TritonDecode(setup)
-    if k.gluon is None or not reg_v_verified():
-        pytest.skip("the few-heads Gluon kernel or its reg_v params are not verified on this Triton")
-    assert k.gluon_large
-    assert all(k.plan_params[rows, width][0] is k.plan_params[rows, width][1] for rows in (small, large, 81))
-    picked = {rows: k.plan_params[rows, width][0] for rows in (small, large, 81)}
-    assert all(p.reg_v == (rows >= REG_V_MIN_ROWS) for rows, p in picked.items())
-    # the 2-CTA form somewhere in 20..81 rows (the model's pick; 80 rows at 16 heads on the H200)
-    assert any(k.plan_params[r, width][0].ctas_per_sm == 2 for r in range(REG_V_MIN_ROWS, 82))
-    for rows in (small, large, 81):
+    k = TritonDecode(setup)
+    if not k.gluon_large:
+        pytest.skip("the few-heads Gluon kernel is not verified on this Triton")
+    assert all(k.plan_params[rows, width][0] is k.plan_params[rows, width][1] for rows in (5, 18, 81))
+    assert all(k.plan_params[rows, width][0].reg_v for rows in (5, 18, 81))
+    # the 2-CTA form somewhere in 1..81 rows (the model's pick; 80 rows at 16 heads on the H200)
+    assert any(k.plan_params[r, width][0].ctas_per_sm == 2 for r in (5, 18, 81))
+    for rows in (5, 18, 81):
         q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=3 + rows)
         counts[1] = 0
         out, lse = _poisoned(rows, heads)

@@ -38,10 +38,9 @@ class Case:
     splits: int | None = None  # None: the heuristic; 1: no combine
     k_stages: int = 4
     pv_in_flight: int = 2  # SeesawParams' default
-    handoff: int = 0
 
     def params(self) -> SeesawParams:
-        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, handoff=self.handoff)
+        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight)
 
 
 CASES = [
@@ -68,14 +67,11 @@ CASES = [
     # an even and an odd tile count a split (8 and 5 of 64 tokens)
     Case(3, 128, 2048, splits=4),
     Case(6, 96, 1024, splits=3),
-    # the consumers' hand-offs with each thread's own arrive too (SeesawParams.handoff)
-    Case(7, 96, 1024, splits=1, handoff=1),
-    Case(33, 128, 1024, splits=1, pv_in_flight=1, handoff=1),
 ]
 
 
 def _case_id(c: Case) -> str:
-    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}-ho{c.handoff}"
+    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -89,8 +85,6 @@ def test_rejects_bad_params() -> None:
         SeesawParams(pv_in_flight=3)
     with pytest.raises(ValueError, match="k_stages"):
         SeesawParams(k_stages=6)
-    with pytest.raises(ValueError, match="handoff"):
-        SeesawParams(handoff=2)
     with pytest.raises(ValueError, match="consumer_regs"):
         SeesawParams(consumer_regs=240, producer_regs=56)  # WG0 would get 208 < 240
 

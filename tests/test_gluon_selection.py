@@ -16,7 +16,7 @@ import torch
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import gluon_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
-from vllm_kimi_dsa.kernels.gluon_few_heads import (REG_V_MIN_ROWS, FewHeadsParams, few_heads_verified, nvfp4_params,
+from vllm_kimi_dsa.kernels.gluon_few_heads import (FewHeadsParams, few_heads_verified, nvfp4_params,
                                                    reg_v_params, reg_v_verified)
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_takes, seesaw_verified
 from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config, plan_cost
@@ -47,8 +47,6 @@ def test_gluon_params_reject_bad_shapes() -> None:
         GluonParams(cvt_rows=24)
     with pytest.raises(ValueError, match="cvt_rows"):
         GluonParams(block_n=32, cvt_rows=64)
-    with pytest.raises(ValueError, match="x_sync"):
-        GluonParams(x_sync=3)
     GluonParams(consumer_regs=232, producer_regs=40)
     GluonParams()  # 36 + 72 + 96 + 16 KB (the P halves) + 2 KB fits
     GluonParams(block_n=32, k_stages=5, v_slots=5)  # 36 + 90 + 80 + 8 + 2 KB
@@ -80,14 +78,14 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
         assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
-        assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and not k.gluon.reg_v
+        assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and k.gluon.reg_v == (fmt == "fp8")
     if heads > 32:  # fp8: the seesaw kernel for launches of whole long rows, on the same tiles and plans
         assert k.gluon_large == ((SeesawParams(),) if want and seesaw_verified() else ())
         assert all(p.config(heads) == k.config for p in k.gluon_large)
         if not k.gluon_large:
             assert all(pair == (k.gluon, k.gluon) for pair in k.plan_params.values())
         return
-    # fp8 few heads: reg_v from REG_V_MIN_ROWS rows, at one or two CTAs an SM, with the same tile shape
+    # fp8 few heads: every batch on reg_v, at one or two CTAs an SM, with the same tile shape
     assert bool(k.gluon_large) == (want and fmt == "fp8" and reg_v_verified())
     assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
     for p in k.gluon_large:
@@ -96,7 +94,7 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
                                                                    lead_split=True)
     assert all(first is tail for first, tail in k.plan_params.values())
     assert {r for (r, _), (p, _) in k.plan_params.items() if getattr(p, "reg_v", False)} == (
-        {r for r, _ in k.plan_params if r >= REG_V_MIN_ROWS} if k.gluon_large else set())
+        {r for r, _ in k.plan_params} if k.gluon_large else set())
 
 
 # The H200's tail-split times at K = 2048, µs at one / two CTAs an SM (reg_v_params() / reg_v_params(2)), fp16 split
@@ -155,9 +153,8 @@ def test_few_heads_params_reject_bad_shapes() -> None:
         FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=3)
     with pytest.raises(ValueError, match="pv_in_flight"):
         FewHeadsParams(reg_v=True, pv_in_flight=0)
-    FewHeadsParams(k_stages=3, v_slots=3)
-    with pytest.raises(ValueError, match="shared memory"):
-        FewHeadsParams(k_stages=4, v_slots=3)
+    with pytest.raises(ValueError, match="exactly one"):
+        FewHeadsParams(nvfp4=True, v_slots=4)
     with pytest.raises(ValueError, match="k_stages"):
         FewHeadsParams(k_stages=1)
     with pytest.raises(ValueError, match="cvt_rows"):
@@ -165,11 +162,10 @@ def test_few_heads_params_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="producer_regs"):
         FewHeadsParams(producer_regs=50)
     assert nvfp4_params().smem_bytes() <= 227 * 1024 and nvfp4_params().nvfp4
-    for bad in (dict(v_slots=2), dict(split_producer=False, v_slots=4)):
-        with pytest.raises(ValueError, match="nvfp4"):
-            FewHeadsParams(k_stages=3, nvfp4=True, **bad)
+    with pytest.raises(ValueError, match="nvfp4 needs"):
+        FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, v_slots=2)
     with pytest.raises(ValueError, match="shared memory"):
-        FewHeadsParams(k_stages=4, v_slots=4, nvfp4=True)
+        FewHeadsParams(k_stages=4, v_slots=4, nvfp4=True, reg_v=False)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")

@@ -3,9 +3,8 @@ split ranges against the float32 reference.
 
 A lead plan splits each row of a one-launch plan into a first piece of `lead_tiles` tiles and num_splits - 1 even
 pieces of the rest, on a split-major grid (every first piece dispatched before any later one). CPU: the makespan
-model against a brute-force dispatch, the plan picks, TritonDecode's binding (kernels stubbed), bad lead_tiles, and
-this file's kernel through the interpreter (fp8 and nvfp4, 16 and 128 heads, rows shorter than the lead, count-0 and
-all-hole rows, outputs poisoned with NaN). GPU (Hopper, Gluon): the seesaw, 64-head and few-heads kernels at leads
+model against a brute-force dispatch, the plan picks, TritonDecode's binding (kernels stubbed) and bad lead_tiles.
+GPU (Hopper, Gluon): the seesaw, 64-head and few-heads kernels at leads
 that cut rows at every place. Tolerance: test_triton_decode's check (the same arithmetic as even splits: a partial
 per piece, merged by the combine).
 """
@@ -24,16 +23,14 @@ from test_triton_decode import DEVICE, _case, _check
 from vllm_kimi_dsa.formats import LATENT_DIM
 from vllm_kimi_dsa.kernels import triton_decode as td
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.kernels.gluon_decode import gluon_config
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_config, gluon_sparse_mla_decode
 from vllm_kimi_dsa.kernels.gluon_few_heads import reg_v_params
 from vllm_kimi_dsa.kernels.triton_decode import (
     TritonDecode,
     _lead_makespan,
     choose_lead,
     choose_plan,
-    default_config,
     plan_cost,
-    sparse_mla_decode,
 )
 
 SMS = 132  # the H200's
@@ -144,50 +141,8 @@ def test_bad_lead_names_the_argument(lead) -> None:
     q, kv, slots, counts, ss, os_ = _case(2, 16, 128, "fp8", seed=3)
     out = torch.empty((2, 16, LATENT_DIM), dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="lead_tiles"):
-        sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out, splits=2,
-                          lead_tiles=lead)
-
-
-# (rows, heads, width, splits, lead): width 256 = 4 tiles of the plain kernel's 64 rows; leads from 1 tile to all
-# of them (the later pieces empty), rows shorter than the lead (counts 0, 1, random), 3 pieces after the first
-INTERPRETED = [
-    (5, 16, 256, 2, 1),
-    (5, 16, 256, 2, 3),
-    (6, 16, 256, 3, 2),
-    (3, 16, 256, 2, 4),
-    (3, 128, 256, 3, 1),
-    (7, 12, 256, 4, 1),
-]
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4_ds_mla"])
-@pytest.mark.parametrize("rows,heads,width,splits,lead", INTERPRETED)
-def test_plain_kernel_lead_splits_match_reference(fmt, rows, heads, width, splits, lead) -> None:
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=rows * 31 + heads + lead)
-    out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    lse = torch.full((rows, heads), float("nan"), device=DEVICE)
-    sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
-                      splits=splits, lead_tiles=lead)
-    _check(out, lse, q, kv, slots, counts, fmt, ss, os_)
-
-
-def test_plain_kernel_lead_split_differs_from_even() -> None:
-    """A lead plan really cuts the rows elsewhere: its partials (before the combine) differ from the even split's,
-    so the check above is not of even splits in disguise."""
-    q, kv, _, counts, ss, os_ = _case(3, 16, 256, "fp8", seed=11)
-    slots = torch.randint(0, 4099, (3, 256), generator=torch.Generator().manual_seed(11), dtype=torch.int32).to(DEVICE)
-    counts[:] = 256
-    parts = []
-    for lead in (0, 3):
-        ws = td.make_workspace(DEVICE, heads=16, max_rows=3, widths=(256,), config=default_config(16, "fp8"),
-                               min_entries=3 * 2 * 16)
-        ws.part_lse.fill_(float("nan"))
-        out = torch.empty((3, 16, LATENT_DIM), dtype=torch.bfloat16, device=DEVICE)
-        sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out, splits=2,
-                          workspace=ws, lead_tiles=lead)
-        parts.append(ws.part_lse[: 3 * 2 * 16].clone())
-    assert torch.isfinite(parts[0]).all() and torch.isfinite(parts[1]).all()
-    assert not torch.allclose(parts[0], parts[1])
+        gluon_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, splits=2,
+                                lead_tiles=lead)
 
 
 def test_kernel_class_binds_each_plans_lead(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,25 +59,21 @@ _NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._t
 
 
 @_NEEDS_GLUON
-@pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4}, {"kernel": "few"},
-                                       {"kernel": "few", "split_producer": False},
-                                       {"kernel": "few", "nvfp4": True, "k_stages": 3, "v_slots": 4},
+@pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4},
+                                       {"kernel": "few", "nvfp4": True, "reg_v": False, "k_stages": 3, "v_slots": 4},
                                        {"kernel": "few", "heads": 32},
                                        {"kernel": "few", "reg_v": True, "k_stages": 3},
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                         "ctas_per_sm": 2, "producer_regs": 56},
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                         "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True},
-                                       {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
-                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True, "stream": True},
                                        {"kernel": "seesaw"}, {"kernel": "seesaw", "pv_in_flight": 1, "k_stages": 3}],
-                         ids=["default", "block_n_32", "few_heads", "few_heads_one_producer",
-                              "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v", "few_heads_reg_v_two_ctas",
-                              "few_heads_reg_v_two_ctas_pv_early", "few_heads_reg_v_two_ctas_stream", "seesaw",
+                         ids=["default", "block_n_32", "few_heads_nvfp4", "few_heads_32", "few_heads_reg_v",
+                              "few_heads_reg_v_two_ctas", "few_heads_reg_v_two_ctas_pv_early", "seesaw",
                               "seesaw_pv1_ks3"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
-    """The 64-head kernel (64- and 32-token tiles); the few-heads kernel with two producer
-    warpgroups (its default) and one. In a process of its own too: Triton's own `tl`
+    """The 64-head kernel (64- and 32-token tiles); the few-heads kernel (reg_v at one and two CTAs an SM, nvfp4);
+    the seesaw kernel. In a process of its own too: Triton's own `tl`
     helpers that Gluon calls (gl.max, ...) are interpreted functions once the tests set TRITON_INTERPRET, and
     Gluon cannot compile those."""
     r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, json.dumps(overrides)], capture_output=True,
@@ -91,14 +87,12 @@ def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     assert s["shared"] <= 227 * 1024
     assert s["spill_stores"] is not None and s["spill_stores"] <= 256, f"{s['spill_stores']} bytes of spill stores"
     assert {"consumer", "producer"} <= set(s["kinds"]), f"expected a consumer and a producer tile loop: {s['kinds']}"
-    if overrides.get("kernel") == "few" and overrides.get("split_producer", True) and not overrides.get("reg_v"):
+    if overrides.get("kernel") == "few" and overrides.get("nvfp4"):
         assert "converter" in s["kinds"], f"expected the converter warpgroup's loop: {s['kinds']}"
         assert s["consumer_loops"] == 1, f"consumer loops: {s['consumer_loops']}"
         assert s["spill_stores"] == 0, f"{s['spill_stores']} bytes of spill stores"
     if overrides.get("ctas_per_sm") == 2:  # two CTAs fit an SM: half its registers and shared memory each
-        # (stream-K: a few scalars of the segment loop spill, outside the tile loop: 24 B on Triton 3.6)
-        spill_ok = s["spill_stores"] <= 64 if overrides.get("stream") else s["spill_stores"] == 0
-        assert s["regs_launch"] <= 128 and s["shared"] + 1024 <= 114 * 1024 and spill_ok, s
+        assert s["regs_launch"] <= 128 and s["shared"] + 1024 <= 114 * 1024 and s["spill_stores"] == 0, s
 
 
 @_NEEDS_GLUON
@@ -108,26 +102,13 @@ def test_producer_layouts_are_bank_conflict_free(block_n: int, cvt_rows: int) ->
     number of wavefronts by Gluon's own count (bank_conflicts: excess accesses a wavefront). The few-heads kernel
     runs out of shared-memory bandwidth first (ncu, NOTES v12): a layout change that brings conflicts back costs
     it speed without failing any numeric test. The layouts it replaced must count as conflicting here."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bank_conflicts.py"), str(block_n), str(cvt_rows)],
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bank_conflicts.py"), str(block_n), str(cvt_rows)],
                        capture_output=True, text=True, env=_compile_env(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = {w[1]: int(w[2]) for w in (line.split() for line in r.stdout.splitlines()) if w[:1] == ["RESULT"]}
     assert len(got) == 10, r.stdout
     assert got.pop("old_lat_gather") > 0 and got.pop("old_nvfp4_cvt_load") > 0, "the check does not see conflicts"
     assert got == dict.fromkeys(got, 0), got
-
-
-@_NEEDS_GLUON
-def test_ring_floor_probe_compiles() -> None:
-    """benchmarks/bench_ring_floor.py (the few-heads kernel's rings with the consumer's math taken out) compiles for
-    sm_90a in every variant it times and fits the shared memory: it builds on gluon_decode's `_gatherer` and
-    `_converter`, so a change there that breaks it shows here, not on the next device call."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ring_floor.py"), "--compile-only"],
-                       capture_output=True, text=True, env=_compile_env(), cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    shared = {w[1]: int(w[3]) for w in (line.split() for line in r.stdout.splitlines()) if w[:1] == ["RESULT"]}
-    assert len(shared) == 10, r.stdout
-    assert all(0 < b <= 227 * 1024 for b in shared.values()), shared
 
 
 def _sectors_written_in_part(reg_bases, lane_bases, elem_bytes: int) -> bool:
@@ -199,9 +180,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_kimi_dsa.kernels import triton_decode as td
 out = {}
-for fn, pieces, extra in ((td._combine_kernel, "SPLITS", dict(num_splits="i32")),
-                          (td._stream_combine_kernel, "PIECES", dict(T="i32", TPC="i32"))):
-    for dtype in (torch.float16, torch.float32):
+for fn, pieces, extra in ((td._combine_kernel, "SPLITS", dict(num_splits="i32")),):
+    for dtype in (td.PARTIAL_DTYPE,):
         ws = td.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
                           capacity=1, max_rows=1, heads=1)
         name = "fp16" if dtype == torch.float16 else "fp32"
@@ -220,16 +200,14 @@ print(json.dumps(out))
 
 
 def test_combine_keeps_the_split_sum_in_each_thread() -> None:
-    """Both combines (the split one and the stream-K one) at triton_decode.combine_warps: for fp16 and fp32 partials
-    and 2 / 8 / 32 splits (pieces), no shared memory (each thread holds the same dims of every split, so the sum down
+    """The combine at triton_decode.combine_warps: for fp16 partials and 2 / 8 / 32 splits, no shared memory (each thread holds the same dims of every split, so the sum down
     the splits never leaves it; with 4 warps on fp16 partials Triton spread the splits over 2 warps: 2-4x the time,
     NOTES v19) and 16-byte partial loads."""
     r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=_compile_env(),
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == {f"{k}-{d}-{s}" for k in ("_combine_kernel", "_stream_combine_kernel")
-                        for d in ("fp16", "fp32") for s in (2, 8, 32)}
+    assert set(res) == {f"_combine_kernel-fp16-{s}" for s in (2, 8, 32)}
     for key, v in res.items():
         assert v["shared"] == 0, f"{key}: the combine went through shared memory ({v})"
         assert v["ld_v4"] >= int(key.split("-")[2]), f"{key}: partial loads narrower than 16 bytes ({v})"

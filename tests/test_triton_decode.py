@@ -5,7 +5,6 @@ CPU (TRITON_INTERPRET=1): a few tiny cases; GPU: every head count, both formats,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -81,25 +80,20 @@ def test_tiny_splits_and_128_heads(fmt):
     _run_functional(3, 16, 256, fmt, seed=8, splits=1, with_lse=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [128, 16])
-def test_partial_dtypes(heads, dtype):
-    """Split partials in either dtype make_workspace takes (fp16 is PARTIAL_DTYPE, fp32 the one before NOTES v19):
-    every split writes its partial in that dtype and the combine reads it back, within that dtype's rounding. The
-    scratch is poisoned with NaN first, so an entry the kernel did not write fails the test."""
+def test_partial_dtype(heads):
+    """Split partials in PARTIAL_DTYPE (fp16): every split writes its partial and the combine reads it back, within
+    that dtype's rounding. The scratch is poisoned with NaN first, so an entry the kernel did not write fails."""
+    dtype = triton_decode.PARTIAL_DTYPE
     q, kv, slots, counts, ss, os_ = _case(3, heads, 256, "fp8", seed=31 + heads)
-    ws = make_workspace(DEVICE, heads=heads, max_rows=3, widths=(256,), fmt="fp8", partial_dtype=dtype,
-                        min_entries=3 * 3 * heads)
-    assert ws.part_out.dtype == dtype
-    assert make_workspace(DEVICE, heads=heads, max_rows=3).part_out.dtype == triton_decode.PARTIAL_DTYPE
+    ws = make_workspace(DEVICE, heads=heads, max_rows=3, widths=(256,), fmt="fp8", min_entries=3 * 3 * heads)
+    assert ws.part_out.dtype == dtype == torch.float16
     ws.part_out.fill_(float("nan"))
     out = torch.full((3, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse = torch.full((3, heads), float("nan"), device=DEVICE)
     sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                       workspace=ws, splits=3)
     _check(out, lse, q, kv, slots, counts, "fp8", ss, os_, partial_err=PARTIAL_ERR[dtype])
-    with pytest.raises(ValueError, match="partial_dtype"):
-        make_workspace(DEVICE, heads=heads, max_rows=3, partial_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -169,33 +163,21 @@ def test_split_heuristic_fills_the_chip():
     assert choose_splits(320, 128, 2048, cfg, 132) == 1
     s5 = choose_splits(5, 128, 2048, cfg, 132)
     assert 5 * 2 * s5 >= 100, s5  # 5 rows x 2 head tiles x splits must come near 132 SMs
-    # the workspace holds every plan's split rows: tail-split plans (the default), or every row split alike
-    for cfg in (default_config(16, "fp8"), dataclasses.replace(default_config(16, "fp8"), tail_split=False)):
-        ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=cfg)
-        plans = [choose_plan(r, 16, 2048, cfg, 4) for r in range(1, 65)]
-        assert ws.capacity == max((r - w) * s * 16 for r, (w, s) in enumerate(plans, 1) if s > 1)
-        if not cfg.tail_split:
-            assert all(w == 0 for w, _ in plans)
+    # the workspace holds every plan's split rows (tail-split plans)
+    cfg = default_config(16, "fp8")
+    ws = make_workspace("cpu", heads=16, max_rows=64, widths=(2048,), config=cfg)
+    plans = [choose_plan(r, 16, 2048, cfg, 4) for r in range(1, 65)]
+    assert ws.capacity == max((r - w) * s * 16 for r, (w, s) in enumerate(plans, 1) if s > 1)
 
 
-def _gluon_like(tail_split: bool) -> Config:
+def _gluon_like() -> Config:
     """The split heuristic's view of the 64-head Gluon kernel (gluon_decode.gluon_config), without importing Gluon."""
-    return Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8,
-                  tail_split=tail_split)
-
-
-def test_choose_plan_without_tail_split_is_choose_splits():
-    for cfg in (default_config(128, "fp8"), default_config(12, "fp8"), default_config(16, "nvfp4_ds_mla"),
-                _gluon_like(False)):
-        cfg = dataclasses.replace(cfg, tail_split=False)
-        for rows in (1, 5, 20, 67, 80, 160, 320):
-            for heads in (12, 16, 32, 128):
-                assert choose_plan(rows, heads, 2048, cfg, 132) == (0, choose_splits(rows, heads, 2048, cfg, 132))
+    return Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8)
 
 
 def test_tail_split_plans():
     """Whole rows fill full waves unsplit; only the rest is split (the model's picks for 64-head tiles on 132 SMs)."""
-    cfg = _gluon_like(True)
+    cfg = _gluon_like()
     assert choose_plan(80, 128, 2048, cfg, 132) == (66, 4)  # 1 wave of 132 CTAs, then 28 CTA pairs x 4 splits
     assert choose_plan(160, 128, 2048, cfg, 132) == (132, 2)
     assert choose_plan(320, 128, 2048, cfg, 132) == (0, 1)  # 4.85 waves unsplit: nothing to gain
@@ -215,7 +197,6 @@ def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
     This file's kernel on a GPU too (VLLM_KIMI_DSA_GLUON=0): the Gluon kernels' plans are test_gluon_*'s."""
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     base = default_config(16, fmt)
-    assert base.tail_split
     slots_per_wave = triton_decode.num_sms(DEVICE) * base.ctas_per_sm
     rows, width = slots_per_wave + 3, 256
     setup = DecodeSetup(
@@ -306,23 +287,6 @@ def test_gpu_odd_rows_and_repeat_is_deterministic(fmt):
         sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-
-
-@gpu
-@pytest.mark.parametrize("heads", [128, 32, 12])
-def test_gpu_nvfp4_ptx_decode_matches_twin(heads):
-    """The inline-PTX e2m1 decode and the Triton twin dequantize to the same fp16 bits: equal outputs."""
-    rows, width, fmt = 9, 2048, "nvfp4_ds_mla"
-    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=heads)
-    outs = []
-    for ptx in (True, False):
-        cfg = Config(**{**default_config(heads, fmt).__dict__, "ptx": ptx})
-        out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        lse = torch.full((rows, heads), float("nan"), device=DEVICE)
-        sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse, config=cfg)
-        outs.append((out, lse))
-    _check(outs[0][0], outs[0][1], q, kv, slots, counts, fmt, ss, os_)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @gpu

@@ -47,7 +47,6 @@ def _api():
     """(TritonDecode, the module holding num_sms, a function patching Gluon availability, describe(params))."""
     try:
         from vllm_kimi_dsa.backends.hopper import dispatch as hop
-        from vllm_kimi_dsa.kernels.common import gluon_env
 
         def patch_gluon(on: bool) -> None:
             hop.gluon_available = (lambda device=None: True) if on else (lambda device=None: False)
@@ -70,11 +69,22 @@ def describe(params) -> dict | None:
         return None
     fields = dataclasses.asdict(params)
     # fields removed with the variants nobody shipped (x_sync 2, handoff 0, stream/split_producer/nvfp4 folded)
-    for name, only in (("x_sync", 2), ("handoff", 0), ("stream", False), ("split_producer", True), ("qk_f16", False),
-                       ("tail_split", True)):
-        if fields.get(name, object()) == only:
-            fields.pop(name)
-    return {"kind": type(params).__name__, **fields}
+    return {"kind": type(params).__name__, **_drop_retired(fields)}
+
+
+# fields deleted with the variants no shipped plan chose, at the one value every shipped object held; `imprecise`
+# at any value: every fp8 config held 0 and the nvfp4 kernel never read it
+RETIRED = (("x_sync", 2), ("handoff", 0), ("stream", False), ("split_producer", True), ("qk_f16", False),
+           ("tail_split", True), ("ptx", True), ("imprecise", None))
+
+
+def _drop_retired(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_retired(v) for k, v in obj.items()
+                if not any(k == name and (only is None or v == only) for name, only in RETIRED)}
+    if isinstance(obj, list):
+        return [_drop_retired(v) for v in obj]
+    return obj
 
 
 def _label(params, fmt: str, heads: int) -> str:
@@ -141,7 +151,7 @@ def _compile(name: str, spec: dict) -> tuple[str, str]:
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", 90, 32)
-    heads, fmt = spec["heads"], spec.get("fmt", "fp8")
+    fmt = spec.get("fmt", "fp8")
     fn, consts, options, gluon = _kernel_of(spec)
     sig = dict(SIGNATURE)
     if fmt != "fp8":
@@ -191,34 +201,40 @@ def _instructions(cubin: bytes) -> str:
 def _kernel_of(spec: dict):
     """(jit fn, constexprs, compile options, is_gluon) of a spec, from whichever layout the package has."""
     label, heads, fmt = spec["label"], spec["heads"], spec.get("fmt", "fp8")
-    p = spec.get("params")
-    try:
-        from vllm_kimi_dsa.backends.hopper import variants as v
-        return v.compile_spec(spec)
-    except ImportError:
-        pass
-    from vllm_kimi_dsa.kernels import triton_decode as td
-
+    k = _kernels()
     if label == "combine":
-        return td._combine_kernel, dict(SPLITS=spec["splits_pow2"], D=512), {"num_warps": 2}, False
+        return k["combine"], dict(SPLITS=spec["splits_pow2"], D=512), {"num_warps": 2}, False
     if label == "tl":
-        cfg = td.Config(**{k: v for k, v in spec["config"].items() if k != "kind"})
-        consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, QK_F16=cfg.qk_f16,
-                      IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap, PTX=cfg.ptx,
+        c, fn = spec["config"], k["tl"]
+        consts = dict(NVFP4=fmt != "fp8", BLOCK_H=c["block_h"], BLOCK_N=c["block_n"], PREFETCH=c["prefetch"],
+                      LAZY=c["lazy"], SWAP=c["swap"], PTX=True, QK_F16=False, IMPRECISE=c.get("imprecise", 0),
                       LEAD=spec["lead"])
-        return td._decode_kernel, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, False
-    fields = {k: v for k, v in p.items() if k != "kind"}
-    if label == "gluon64":
-        from vllm_kimi_dsa.kernels import gluon_decode as g
-        params = g.GluonParams(**fields)
-        return g.gluon_decode_kernel, g.kernel_constexprs(params), {"num_warps": 4}, True
-    if label == "seesaw":
-        from vllm_kimi_dsa.kernels import gluon_seesaw as g
-        params = g.SeesawParams(**fields)
-        return g.seesaw_decode_kernel, g.kernel_constexprs(params), {"num_warps": 4}, True
-    from vllm_kimi_dsa.kernels import gluon_few_heads as g
-    params = g.FewHeadsParams(**fields)
-    return g.few_heads_kernel, g.kernel_constexprs(params, heads), {"num_warps": 4, **params.launch_options()}, True
+        consts = {n: v for n, v in consts.items() if n in fn.arg_names}
+        return fn, consts, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}, False
+    cls, fn, constexprs = k[label.split("-")[0]]
+    names = {f.name for f in dataclasses.fields(cls)}
+    params = cls(**{n: v for n, v in spec["params"].items() if n in names})
+    consts = constexprs(params, heads) if label.startswith("few") else constexprs(params)
+    options = {"num_warps": 4, **(params.launch_options() if hasattr(params, "launch_options") else {})}
+    return fn, consts, options, True
+
+
+def _kernels() -> dict:
+    """name -> the jit fn (tl, combine) or (params class, jit fn, constexprs(params[, heads])) of each kernel."""
+    try:
+        from vllm_kimi_dsa.kernels import decode_tl, gluon64, gluon_few_heads as few, seesaw
+        from vllm_kimi_dsa.kernels.common import combine
+    except ImportError:
+        from vllm_kimi_dsa.kernels import gluon_decode as gluon64, gluon_few_heads as few, gluon_seesaw as seesaw
+        from vllm_kimi_dsa.kernels import triton_decode as decode_tl
+        combine = decode_tl
+    return {
+        "tl": decode_tl._decode_kernel if hasattr(decode_tl, "_decode_kernel") else decode_tl.decode_kernel,
+        "combine": combine._combine_kernel if hasattr(combine, "_combine_kernel") else combine.combine_kernel,
+        "gluon64": (gluon64.GluonParams, gluon64.gluon_decode_kernel, gluon64.kernel_constexprs),
+        "seesaw": (seesaw.SeesawParams, seesaw.seesaw_decode_kernel, seesaw.kernel_constexprs),
+        "few": (few.FewHeadsParams, few.few_heads_kernel, few.kernel_constexprs),
+    }
 
 
 def write_sass(out_dir: Path, specs: dict, jobs: int) -> None:
@@ -256,7 +272,7 @@ def main() -> None:
         specs = {k: v for k, v in {**data["gluon"]["specs"], **data["tl"]["specs"]}.items() if args.filter in k}
         write_sass(Path(args.out_dir), specs, args.jobs)
     else:
-        x, y = json.loads(Path(args.a).read_text()), json.loads(Path(args.b).read_text())
+        x, y = (_drop_retired(json.loads(Path(f).read_text())) for f in (args.a, args.b))
         if x == y:
             n = sum(len(t["plans"]) for side in x.values() for t in side["tables"].values())
             print(f"equal: {n} (rows, width) plans over {sum(len(s['tables']) for s in x.values())} tables, "

@@ -153,26 +153,11 @@ if gl is not None:
         return p, m_new, l_i, acc
 
     @gluon.jit
-    def publish(bar, EACH_THREAD: gl.constexpr):
-        """A consumer's mbarrier arrive publishing its shared-memory stores: one thread's after the partition's
-        bar.sync, and with EACH_THREAD each thread's own cp.async.mbarrier.arrive too (the barrier counts 128 more
-        a consumer), which racecheck follows where it does not follow the bar.sync into the one arrive."""
-        if EACH_THREAD:
-            async_copy.mbarrier_arrive(bar, increment_count=False)
-        mbarrier.arrive(bar)
-
-    @gluon.jit
-    def _exchange(x_ready, phase, HALF: gl.constexpr, X_SYNC: gl.constexpr):
-        """The two consumers' rendezvous after each stored its share in x_s (X_SYNC, see GluonParams.x_sync): 0 one
-        thread's mbarrier arrive after the partition's bar.sync, 1 the same plus every thread's own
-        cp.async.mbarrier.arrive (count 129: racecheck sees each storing thread release its store), 2 a named
-        barrier of both warpgroups (bar.sync 15, 256; Triton's own barriers take the low ids)."""
-        if X_SYNC == 2:
-            gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r",
-                                      [gl.arange(0, 128, _ONE_A_THREAD)], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            publish(x_ready.index(HALF), X_SYNC == 1)
-            mbarrier.wait(x_ready.index(1 - HALF), phase)
+    def _exchange():
+        """The two consumers' rendezvous after each stored its share in x_s: a named barrier of both warpgroups
+        (bar.sync 15, 256; Triton's own barriers take the low ids), which racecheck follows."""
+        gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r",
+                                  [gl.arange(0, 128, _ONE_A_THREAD)], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _consumer(
@@ -183,7 +168,6 @@ if gl is not None:
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
-        X_SYNC: gl.constexpr,
     ):
         """A consumer warpgroup: S = Q K^T for this warpgroup's BLOCK_N / 2 tokens only (no redundant Q.K); the row
         maxima go through x_s (x_ready: count 1, the other consumer waits) so both scale by the same max, and the
@@ -231,7 +215,7 @@ if gl is not None:
             # other consumer has read tile it - 2's before it published tile it - 1's)
             xb = it % 2
             x_s.index(xb * 2 + HALF).store(gl.max(s, axis=1))
-            _exchange(x_ready, it & 1, HALF, X_SYNC)
+            _exchange()
             m_tile = gl.maximum(x_s.index(xb * 2).load(head_s_layout), x_s.index(xb * 2 + 1).load(head_s_layout))
             p, m_i, l_i, acc = _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout)
             # this consumer's P half for both consumers' P.V (wgmma reads it through the async proxy); buffer
@@ -252,7 +236,7 @@ if gl is not None:
         # the row sum over both consumers' tokens (one more use of the max exchange's buffers and barriers)
         xb = num_tiles % 2
         x_s.index(xb * 2 + HALF).store(l_i)
-        _exchange(x_ready, num_tiles & 1, HALF, X_SYNC)
+        _exchange()
         l_i = x_s.index(xb * 2).load(head_s_layout) + x_s.index(xb * 2 + 1).load(head_s_layout)
 
         _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
@@ -293,13 +277,9 @@ if gl is not None:
                 gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=mask_h_s)
         else:
             base = (row * num_splits + split) * H
-            if part_out_ptr.dtype.element_ty == gl.float16:  # 4 bytes a lane from here: half sectors
-                store_latent(gl.permute(o, (1, 0)), part_out_ptr + base.to(gl.int64) * _D + HALF * DH, _D, hb * _BH,
-                             H, wgmma_store_layout(False))
-            else:
-                p_ptrs = (part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 1)
-                          + gl.expand_dims(offs_d, 0))
-                gl.store(p_ptrs, o, mask=mask_o)
+            # fp16 partials: 4 bytes a lane from the accumulator's layout (half sectors); stored from whole sectors
+            store_latent(gl.permute(o, (1, 0)), part_out_ptr + base.to(gl.int64) * _D + HALF * DH, _D, hb * _BH,
+                         H, wgmma_store_layout(False))
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
@@ -371,21 +351,6 @@ if gl is not None:
         """Tile t's slots (-1 past `end`), one per gathered row of _ROW_LAYOUT."""
         offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _ROW_LAYOUT))
         return gl.load(s_base + offs, mask=offs < end, other=-1)
-
-    @gluon.jit
-    def _tile_slots(slots_ptr, s_base, start, end, t, stride_s_row, counts_ptr, u_end, T, K,
-                    BLOCK_N: gl.constexpr, STREAM: gl.constexpr):
-        """Tile t's slots: of the token range [start, end) of one row; STREAM: of work unit start + t of a stream-K
-        range, i.e. row (start + t) // T's tile (start + t) % T (all -1 at or past unit u_end)."""
-        if STREAM:
-            u = start + t
-            row = gl.minimum(u, u_end - 1) // T
-            count = gl.minimum(gl.maximum(gl.load(counts_ptr + row), 0), K)
-            count = gl.where(u < u_end, count, 0)
-            return _load_slots(slots_ptr + row.to(gl.int64) * stride_s_row, (u - row * T) * BLOCK_N, count, 0,
-                               BLOCK_N)
-        else:
-            return _load_slots(s_base, start, end, t, BLOCK_N)
 
     @gluon.jit
     def _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
@@ -496,33 +461,25 @@ if gl is not None:
         k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
-        counts_ptr=None, u_end=0, T=1, K=0, STREAM: gl.constexpr = False,
     ):
         """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
         cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
         group's loads are issued right after the previous group's first gather, so the first use of a group waits
         on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
         waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
-        the `slot >= 0` test took 17% of the kernel's stall samples (ncu, NOTES v12).
-
-        STREAM (a stream-K range of work units, gluon_few_heads): start is the range's first unit, num_tiles its
-        length, u_end its end; each unit's row and count come from its index (_tile_slots); row and end are unused."""
+        the `slot >= 0` test took most of the kernel's stall samples.)"""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        slot0 = _tile_slots(slots_ptr, s_base, start, end, 0, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
-        slot1 = _tile_slots(slots_ptr, s_base, start, end, 1, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
-        slot2 = _tile_slots(slots_ptr, s_base, start, end, 2, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
-        slot3 = _tile_slots(slots_ptr, s_base, start, end, 3, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N, STREAM)
+        slot0 = _load_slots(s_base, start, end, 0, BLOCK_N)
+        slot1 = _load_slots(s_base, start, end, 1, BLOCK_N)
+        slot2 = _load_slots(s_base, start, end, 2, BLOCK_N)
+        slot3 = _load_slots(s_base, start, end, 3, BLOCK_N)
         for g in range(0, num_tiles, 4):
             _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, g, stride_kv, K_STAGES, sc_s,
                         NVFP4)
-            next0 = _tile_slots(slots_ptr, s_base, start, end, g + 4, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
-                                STREAM)
-            next1 = _tile_slots(slots_ptr, s_base, start, end, g + 5, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
-                                STREAM)
-            next2 = _tile_slots(slots_ptr, s_base, start, end, g + 6, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
-                                STREAM)
-            next3 = _tile_slots(slots_ptr, s_base, start, end, g + 7, stride_s_row, counts_ptr, u_end, T, K, BLOCK_N,
-                                STREAM)
+            next0 = _load_slots(s_base, start, end, g + 4, BLOCK_N)
+            next1 = _load_slots(s_base, start, end, g + 5, BLOCK_N)
+            next2 = _load_slots(s_base, start, end, g + 6, BLOCK_N)
+            next3 = _load_slots(s_base, start, end, g + 7, BLOCK_N)
             if g + 1 < num_tiles:
                 _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot1, g + 1, stride_kv, K_STAGES,
                             sc_s, NVFP4)
@@ -546,15 +503,6 @@ if gl is not None:
                                K_STAGES)
         else:
             _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
-
-    @gluon.jit
-    def _converter(
-        k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-    ):
-        """The conversions of _producer in a warpgroup of their own, each as soon as its tile has landed."""
-        for j in range(num_tiles):
-            _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j, BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
     @gluon.jit
     def _alloc_fp8_q_and_ring(BH: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr):
@@ -615,7 +563,6 @@ if gl is not None:
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
-        X_SYNC: gl.constexpr,  # the consumers' row-max rendezvous (GluonParams.x_sync)
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
@@ -645,8 +592,8 @@ if gl is not None:
         x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            # consumer i, after storing its maxima (or row sums): one thread, + each thread's own with X_SYNC 1
-            mbarrier.init(x_ready.index(i), count=129 if X_SYNC == 1 else 1)
+            # unused since the consumers meet at a named barrier; kept: dropping it changes the GPU-verified SASS
+            mbarrier.init(x_ready.index(i), count=1)
             mbarrier.init(p_ready.index(i), count=2)  # both consumers, after storing their P halves
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
@@ -671,13 +618,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, BLOCK_N, K_STAGES, V_SLOTS, X_SYNC)),
+                             0, BLOCK_N, K_STAGES, V_SLOTS)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
                              k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, BLOCK_N, K_STAGES, V_SLOTS, X_SYNC)),
+                             1, BLOCK_N, K_STAGES, V_SLOTS)),
                 (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
                              kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                              BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)),
@@ -700,19 +647,12 @@ class GluonParams:
     cvt_rows: int = DEFAULT_CVT_ROWS  # rows the producer converts a step: 8, 16 or 32, at most block_n
     consumer_regs: int = DEFAULT_CONSUMER_REGS  # setmaxnreg of consumer WG1 (WG0: 504 - the two)
     producer_regs: int = DEFAULT_PRODUCER_REGS  # setmaxnreg of the producer
-    # the consumers' row-max rendezvous: 0 one thread's mbarrier arrive each, 1 that plus each thread's own arrive,
-    # 2 a named barrier of both consumers. racecheck follows 1 and 2, not 0 (it does not carry the partition's
-    # bar.sync into the one thread's arrive); 2 costs nothing (H200, one run: 17.5 / 20.1 / 34.5 / 79.7 / 243.2 /
-    # 376.4 µs at 5 / 8 / 20 / 64 / 200 / 320 rows against 0's 17.4 / 20.1 / 34.1 / 79.0 / 244.2 / 376.1), 1 up to +1%
-    x_sync: int = 2
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"block_n must be 32 or 64, got {self.block_n}")
         if self.cvt_rows not in (8, 16, 32) or self.cvt_rows > self.block_n:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and at most block_n, got {self.cvt_rows}")
-        if self.x_sync not in (0, 1, 2):
-            raise ValueError(f"x_sync must be 0, 1 or 2, got {self.x_sync}")
         check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * self.block_n * HEAD_DIM + self.v_slots * self.block_n * LATENT_DIM
         smem += 2 * BLOCK_H * self.block_n * 2  # the P halves, two tiles
@@ -747,7 +687,7 @@ def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
     """gluon_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(BLOCK_N=params.block_n, K_STAGES=params.k_stages, V_SLOTS=params.v_slots, CVT_ROWS=params.cvt_rows,
-                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs, X_SYNC=params.x_sync)
+                CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
@@ -812,7 +752,6 @@ def gluon_sparse_mla_decode(
     cvt_rows: int = DEFAULT_CVT_ROWS,
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
-    x_sync: int = 2,
     lead_tiles: int = 0,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
@@ -824,7 +763,7 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. x_sync: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
+    block_n .. producer_regs: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
     td.check_lead(lead_tiles)
@@ -836,7 +775,7 @@ def gluon_sparse_mla_decode(
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
-                         consumer_regs=consumer_regs, producer_regs=producer_regs, x_sync=x_sync)
+                         consumer_regs=consumer_regs, producer_regs=producer_regs)
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None

@@ -124,11 +124,11 @@ if gd.gl is not None:
         row, split, h0, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, NVFP4: gl.constexpr = False,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
     ):
-        """The consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue.
+        """The nvfp4 consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue.
 
-        NVFP4: the latent logits come from the converter's V16 halves (even / odd latent dims, fp16, exact) against
+        The latent logits come from the converter's V16 halves (even / odd latent dims, fp16, exact) against
         q_lat_s = (Q even dims, Q odd dims) in fp16, so tile it's Q.K also waits for its V16 halves; the RoPE part
         stays fp8 x fp8 from the K stage. acc0 / acc1 are then the even / odd dims of O^T."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
@@ -136,12 +136,9 @@ if gd.gl is not None:
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
         m_i, l_acc, acc0, acc1, s_zero = _consumer_state(BH)
-        if NVFP4:
-            s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)  # the fp16 latent logits' accumulator
-            q_even_t = q_lat_s.index(0).permute((1, 0))
-            q_odd_t = q_lat_s.index(1).permute((1, 0))
-        else:
-            q_lat_t = q_lat_s.permute((1, 0))
+        s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)  # the fp16 latent logits' accumulator
+        q_even_t = q_lat_s.index(0).permute((1, 0))
+        q_odd_t = q_lat_s.index(1).permute((1, 0))
         q_rope_t = q_rope_s.permute((1, 0))
         p_t = p_s.permute((1, 0))  # P^T (tokens x heads) as the K-major B operand
         for it in range(num_tiles):
@@ -160,29 +157,20 @@ if gd.gl is not None:
                 a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
                 mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
                 a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
-            if NVFP4:
-                # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
-                uc = 2 * it
-                mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
-                mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
-                # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the
-                # RoPE part fp8 x fp8 into its own, added after the wait
-                s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
-                s_lat = warpgroup_mma(v16_s.index((uc + 1) % V_SLOTS), q_odd_t, s_lat, is_async=True)
-                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=3, deps=(a0, a1))
-            else:
-                # fp8 x fp8 without accumulator promotion, as the 64-head kernel (conftest.wgmma_logit_bound)
-                s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(a0, a1))
+            # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
+            uc = 2 * it
+            mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
+            mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
+            # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the RoPE
+            # part fp8 x fp8 into its own, added after the wait
+            s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
+            s_lat = warpgroup_mma(v16_s.index((uc + 1) % V_SLOTS), q_odd_t, s_lat, is_async=True)
+            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=3, deps=(a0, a1))
             mbarrier.arrive(v_empty.index(vs0), pred=it > 0)
             mbarrier.arrive(v_empty.index(vs1), pred=it > 0)
-            if NVFP4:
-                s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
-                s = s + gl.convert_layout(s_lat, s_layout)
-            else:
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
+            s = s + gl.convert_layout(s_lat, s_layout)
             mbarrier.arrive(k_empty.index(stage))
 
             p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
@@ -198,8 +186,7 @@ if gd.gl is not None:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         l_i = gl.sum(l_acc, axis=0)
         _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH, NVFP4)
+                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
 
     # REG_V: the latent of a 16-token k-step as P.V's A operand straight from the K stage into registers. Row i of
     # O^T (the wgmma M: i = 64 m + 16 w + 8 h + r for warp w, lane row r, half h, repetition m) holds latent dim
@@ -243,13 +230,11 @@ if gd.gl is not None:
     def _regv_tiles(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty, j0, num_tiles, qk_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
-        RELEASE_LAST: gl.constexpr,
     ):
-        """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a row's tiles, or a stream-K segment's): Q.K,
+        """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a split's tiles): Q.K,
         the online softmax and P.V with the latent from the K stage through registers (_v_chunk), so no V16 ring is
         written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's stage is held until its P.V
-        operands are loaded in iteration it, then released (k_empty counts 1); RELEASE_LAST also releases the last
-        tile's (a stream-K range goes on with the ring). Returns (acc0, acc1, m_i, l_acc), every wgmma retired."""
+        operands are loaded in iteration it, then released (k_empty counts 1). Returns (acc0, acc1, m_i, l_acc), every wgmma retired."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -283,8 +268,6 @@ if gd.gl is not None:
             last = (j0 + num_tiles - 1) % K_STAGES
             a0, a1 = _regv_pv(k_lat_s.index(last), p_t, warpgroup_mma_init(acc0), warpgroup_mma_init(acc1), BH,
                               PV_IN_FLIGHT)
-            if RELEASE_LAST:
-                mbarrier.arrive(k_empty.index(last))
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1))
         return acc0, acc1, m_i, l_acc
 
@@ -319,39 +302,9 @@ if gd.gl is not None:
     ):
         """_few_consumer without a converter (REG_V, fp8): _regv_tiles over this split's tiles, then the epilogue."""
         acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-                                             0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY, False)
+                                             0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)
         _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                        row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
-
-    @gluon.jit
-    def _regv_stream_consumer(
-        q_ptr, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        cta, u0, u1, T, h0, H, stride_q_row, stride_q_head,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
-    ):
-        """REG_V over a stream-K range of work units u0 .. u1 - 1 (unit u: row u // T's tile u % T), one segment a
-        row: Q of the row into shared memory, _regv_tiles (the K ring goes on across segments), then the epilogue:
-        a whole row to `out`; a piece of a row to partial slot 2 cta (the range's first row) or 2 cta + 1 (its last),
-        which triton_decode.stream_combine finds from the same arithmetic."""
-        first_row = u0 // T
-        seg = u0
-        while seg < u1:
-            row = seg // T
-            seg_end = gl.minimum(u1, (row + 1) * T)
-            _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
-            fence_async_shared()
-            acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready,
-                                                 k_empty, seg - u0, seg_end - seg, qk_scale,
-                                                 BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY, True)
-            whole = (seg == row * T) & (seg_end == (row + 1) * T)
-            # (row, split, num_splits) for _few_epilogue: the row itself unsplit, or partial entry 2 cta + piece
-            _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                           gl.where(whole, row, cta), gl.where(row == first_row, 0, 1), h0, H,
-                           gl.where(whole, 1, 2), stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
-            seg = seg_end
 
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
@@ -378,8 +331,8 @@ if gd.gl is not None:
     @gluon.jit
     def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH: gl.constexpr, NVFP4: gl.constexpr):
-        """As triton_decode._epilogue: O^T (acc0 / acc1: latent dims d and 256 + d, or (NVFP4) 2 d and 2 d + 1)
+                      BH: gl.constexpr):
+        """As triton_decode._epilogue for the nvfp4 consumer: O^T (acc0 / acc1: latent dims 2 d and 2 d + 1)
         normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -388,12 +341,8 @@ if gd.gl is not None:
         offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
         offs_d = gl.arange(0, 256, gl.SliceLayout(1, o_layout))
         mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < 256, 1)
-        if NVFP4:
-            d0 = offs_d * 2
-            d1_off: gl.constexpr = 1
-        else:
-            d0 = offs_d
-            d1_off: gl.constexpr = 256
+        d0 = offs_d * 2
+        d1_off: gl.constexpr = 1
         if num_splits == 1:
             o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
                       + gl.expand_dims(d0, 1))
@@ -401,15 +350,9 @@ if gd.gl is not None:
             gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
         else:
             base = (row * num_splits + split) * H
-            if (part_out_ptr.dtype.element_ty == gl.float16) and not NVFP4:  # 2 bytes a lane from O^T's layout
-                p_base = part_out_ptr + base.to(gl.int64) * _D
-                gd.store_latent(acc0 * gl.expand_dims(inv, 0), p_base, _D, h0, H, gd.wgmma_store_layout(True))
-                gd.store_latent(acc1 * gl.expand_dims(inv, 0), p_base + 256, _D, h0, H, gd.wgmma_store_layout(True))
-            else:
-                p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
-                gl.store(p_ptrs, (acc0 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
-                gl.store(p_ptrs + d1_off, (acc1 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty),
-                         mask=mask)
+            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
+            gl.store(p_ptrs, (acc0 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
+            gl.store(p_ptrs + d1_off, (acc1 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
         _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -546,7 +489,7 @@ if gd.gl is not None:
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                  row, split, h0, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 BH, K_STAGES, V_SLOTS, True)),
+                                 BH, K_STAGES, V_SLOTS)),
                 (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES, sc_s, True)),
@@ -557,37 +500,6 @@ if gd.gl is not None:
             [120, 128],
         )
 
-    @gluon.jit
-    def _stream_body(
-        q_ptr, kv_ptr, slots_ptr, counts_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        cta, h0, H, K, U, TPC, stride_q_row, stride_q_head, stride_kv, stride_s_row,
-        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PV_IN_FLIGHT: gl.constexpr,
-        PV_EARLY: gl.constexpr,
-    ):
-        """few_heads_kernel with STREAM (fp8, REG_V): this CTA's units cta x TPC .. min(U, (cta + 1) x TPC) - 1 of
-        the batch's rows x T (T = K / 64 tiles a row, every tile of the width: tiles past a row's count cost an
-        iteration of -inf bias), gathered by gluon_decode._gatherer (STREAM) and taken by _regv_stream_consumer."""
-        T = gl.cdiv(K, _BN)
-        u0 = cta * TPC
-        u1 = gl.minimum(u0 + TPC, U)
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
-        p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
-        gl.warp_specialize(
-            [
-                (_regv_stream_consumer, (q_ptr, q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-                                         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                         cta, u0, u1, T, h0, H, stride_q_row, stride_q_head,
-                                         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                         BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
-                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-                                kv_ptr, slots_ptr, cta, u0, u1, gl.maximum(u1 - u0, 0), stride_kv, stride_s_row,
-                                _BN, K_STAGES, None, False, counts_ptr, u1, T, K, True)),
-            ],
-            [4],
-            [PRODUCER_REGS],
-        )
-
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def few_heads_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
@@ -596,33 +508,22 @@ if gd.gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        U, TPC,  # STREAM: the batch's work units (rows x tiles of K) and units a CTA; else unused
         BH: gl.constexpr,  # heads a CTA, the wgmma N (BLOCK_H; padded heads are zero queries, masked at the store)
         K_STAGES: gl.constexpr,
-        V_SLOTS: gl.constexpr,
-        CVT_ROWS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-        SPLIT_PRODUCER: gl.constexpr,  # gathers and conversions in two warpgroups (else gluon_decode._producer)
-        NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B) instead of fp8 (576 B): _nvfp4_kernel_body
+        V_SLOTS: gl.constexpr,  # nvfp4: the V16 ring of half tiles
+        CVT_ROWS: gl.constexpr,  # nvfp4: rows the converter decodes a step
+        PRODUCER_REGS: gl.constexpr,  # reg_v: setmaxnreg of the gatherer
+        NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B): _nvfp4_kernel_body; else fp8 rows on REG_V
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
-        REG_V: gl.constexpr = False,  # fp8: P.V's latent from the K stage through registers (_regv_consumer)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
-        STREAM: gl.constexpr = False,  # REG_V: grid (head blocks, CTAs), a stream-K range of units a CTA
     ):
-        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH; STREAM: one (head
-        block, CTA) over units TPC x CTA .. (_stream_body)."""
+        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
         row, split = gd._row_split(num_splits, lead_tiles)
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:
             h0 = 0
-        if STREAM:
-            _stream_body(q_ptr, kv_ptr, slots_ptr, counts_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                         split, h0, H, K, U, TPC, stride_q_row, stride_q_head, stride_kv, stride_s_row,
-                         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                         BH, K_STAGES, PRODUCER_REGS, PV_IN_FLIGHT, PV_EARLY)
-            return
 
         start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
         if NVFP4:
@@ -633,67 +534,29 @@ if gd.gl is not None:
                                BH, K_STAGES, V_SLOTS, CVT_ROWS)
             return
 
+        # fp8 (REG_V): no V16 ring, the consumer alone frees a stage
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
-        if REG_V:  # no V16 ring: the consumers alone free a stage
-            p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
-        else:
-            v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
+        p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
 
         # Q into shared memory, by this (consumer) warpgroup
         _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
         fence_async_shared()
 
-        # (the consumer's arguments are spelled out in each call: a tuple variable loses its constexprs)
-        if REG_V:
-            gl.warp_specialize(
-                [
-                    (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-                                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                      row, split, h0, num_tiles, H, num_splits,
-                                      stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                      BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES)),
-                ],
-                [4],
-                [PRODUCER_REGS],
-            )
-        elif SPLIT_PRODUCER:
-            # gathers and conversions in warpgroups of their own (registers: the consumer gets 504 - 120 - 128)
-            gl.warp_specialize(
-                [
-                    (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
-                                     k_ready, k_empty, v_ready, v_empty,
-                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, h0, num_tiles, H, num_splits,
-                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                     BH, K_STAGES, V_SLOTS)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES)),
-                    (gd._converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-                                     _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
-                ],
-                [4, 4],
-                [120, 128],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_few_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
-                                     k_ready, k_empty, v_ready, v_empty,
-                                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                     row, split, h0, num_tiles, H, num_splits,
-                                     stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                     BH, K_STAGES, V_SLOTS)),
-                    (gd._producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
-                                    kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
-                ],
-                [4],
-                [PRODUCER_REGS],
-            )
+        # (the consumer's arguments are spelled out: a tuple variable loses its constexprs)
+        gl.warp_specialize(
+            [
+                (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                  row, split, h0, num_tiles, H, num_splits,
+                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                  BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
+                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                                _BN, K_STAGES)),
+            ],
+            [4],
+            [PRODUCER_REGS],
+        )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -701,25 +564,17 @@ if gd.gl is not None:
 
 @dataclass(frozen=True)
 class FewHeadsParams:
-    """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report)."""
+    """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report):
+    fp8 rows with P.V's latent through registers (reg_v), or nvfp4_ds_mla rows (nvfp4) through a V16 ring."""
 
-    # K ring depth (36 KB a stage: the gathers in flight) and the fp16 V16 ring of half tiles (32 KB each): 4 / 2
-    # measured 161.0 µs at 320 rows, H=16, against 165.8 for 3 / 3 and 171.9 for 2 / 4 (few-heads-v3)
-    k_stages: int = 4
-    v_slots: int = 2
-    cvt_rows: int = gd.DEFAULT_CVT_ROWS
-    producer_regs: int = 96
-    # gathers (gluon_decode._gatherer) and conversions (_converter) in two warpgroups, 12 warps: the gathers never
-    # wait behind a conversion (few-heads-v3: 165.8 vs 168.4 µs at 320 rows, H=16); False: gluon_decode._producer
-    # (one warpgroup, 8 warps), and producer_regs applies
-    split_producer: bool = True
-    # nvfp4_ds_mla rows: _nvfp4_kernel_body (split producer, Q.K latent from the V16 halves, so V16 holds two
-    # tiles: v_slots >= 4). GPU-tested on the H200 (Triton 3.6, 3.8)
-    nvfp4: bool = False
+    k_stages: int = 3  # K ring depth (the gathers in flight)
+    v_slots: int = 2  # nvfp4: the fp16 V16 ring of half tiles (>= 4: Q.K holds a tile's halves, P.V the previous)
+    cvt_rows: int = gd.DEFAULT_CVT_ROWS  # nvfp4: rows the converter decodes a step
+    producer_regs: int = 96  # reg_v: setmaxnreg of the gatherer
+    nvfp4: bool = False  # nvfp4_ds_mla rows: _nvfp4_kernel_body (gatherer + converter warpgroups)
     # fp8: no converter and no V16 ring; the consumer loads P.V's latent from the K stage into registers
-    # (_regv_consumer); the gatherer is the one producer warpgroup (producer_regs), v_slots unused. H200, H = 16
-    # / 12, 320 rows, tail-split: 131.6 / 130.5 µs at K ring 3 vs 140.2 / 138.5, but 12.1 vs 11.1 at 5 rows
-    reg_v: bool = False
+    # (_regv_consumer); the gatherer is the one producer warpgroup (producer_regs)
+    reg_v: bool = True
     # reg_v: P.V chunks (16 tokens, 32 registers of A operand each) in flight at once; fewer fit a smaller
     # register budget (ptxas serializes the wgmmas when they do not fit)
     pv_in_flight: int = 4
@@ -727,16 +582,13 @@ class FewHeadsParams:
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
-    # reg_v: a stream-K grid (launch_stream): exactly the chip's slots, each CTA an even share of the batch's
-    # rows x tiles, rows split only where a share ends. GPU-tested; no kernel choice uses it (slower, NOTES v16)
-    stream: bool = False
 
     def __post_init__(self) -> None:
-        if self.nvfp4 and (not self.split_producer or self.v_slots < 4):
-            raise ValueError("nvfp4 needs split_producer and v_slots >= 4 (Q.K holds a tile's V16 "
-                             "halves while P.V holds the previous tile's)")
-        if self.reg_v and self.nvfp4:
-            raise ValueError("reg_v is for the fp8 cache only")
+        if self.reg_v == self.nvfp4:
+            raise ValueError("exactly one of reg_v (fp8 rows) and nvfp4 (nvfp4_ds_mla rows) must be set")
+        if self.nvfp4 and self.v_slots < 4:
+            raise ValueError("nvfp4 needs v_slots >= 4 (Q.K holds a tile's V16 halves while P.V holds the previous "
+                             "tile's)")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -749,26 +601,22 @@ class FewHeadsParams:
                                           and self.smem_bytes() <= SMEM_PER_SM // 2 - 1024):
             raise ValueError("ctas_per_sm=2 needs reg_v, pv_in_flight <= 2 (128 registers a thread at launch) and "
                              f"half an SM's shared memory (k_stages=2), got {self}")
-        if self.stream and not self.reg_v:
-            raise ValueError("stream needs reg_v")
         if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, K ring, V16 ring (none with reg_v), P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize
-        state)."""
+        """Q, K ring, V16 ring (nvfp4), P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
         if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
+            v16 = self.v_slots * BLOCK_N * LATENT_DIM
         else:
-            q, stage = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM
-        v16 = 0 if self.reg_v else self.v_slots * BLOCK_N * LATENT_DIM
+            q, stage, v16 = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM, 0
         return q + self.k_stages * stage + v16 + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> td.Config:
         """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
-        CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed, as measured
-        there, NOTES v21)."""
+        CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed)."""
         cfg = dataclasses.replace(few_heads_config(), lead_split=self.reg_v)
         if self.ctas_per_sm == 1:
             return cfg
@@ -781,15 +629,9 @@ class FewHeadsParams:
 
 def nvfp4_params() -> FewHeadsParams:
     """The nvfp4_ds_mla shape: K ring 3 (22.5 KB a stage) and V16 4 halves (two tiles) fit 227 KB; 4 / 4 do not."""
-    return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True)
+    return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True, reg_v=False)
 
 
-# TritonDecode runs fp8 batches of at least this many rows with reg_v_params(): every batch since the fp16 split
-# partials (triton_decode.PARTIAL_DTYPE). H200, H = 16, tail-split plans, fp16 partials, µs at 1 / 5 / 8 / 20 rows:
-# default kernel 8.6 / 11.6 / 12.4 / 19.0, reg_v 8.4 / 11.3 / 12.1 / 17.7, reg_v at two CTAs an SM 8.3 / 11.0 / 12.1 /
-# 17.3 (the default with fp32 partials: 8.5 / 11.1 / 11.9 / 18.6; results/h200-2026-12-04/small-batch, NOTES v19). With
-# fp32 partials reg_v was level up to 12 rows and ahead from 16 (NOTES v18), so this was 16.
-REG_V_MIN_ROWS = 1
 # A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
 # 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
 # (benchmarks/fit_plan_cost.py, SPLIT_TILES held) to the H200's tail-split times at K = 2048 with fp16 partials,
@@ -821,16 +663,15 @@ def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
 def few_heads_config() -> td.Config:
     """Its tail-split plans (td.Config.tail_split): H200, H = 16 fp8 146.6 vs 161.0 µs at 320 rows, 81.5 vs 101.9
     at 160; nvfp4 H = 12 190.2 vs 205.3 at 320; H = 32 fp8 78.8 vs 97.4 at 80 rows (NOTES v11)."""
-    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1, imprecise=0,
+    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1,
                      swap=True, split_tiles=SPLIT_TILES)
 
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
-                CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, SPLIT_PRODUCER=params.split_producer,
-                NVFP4=params.nvfp4, REG_V=params.reg_v, PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early,
-                STREAM=params.stream)
+                CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4,
+                PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early)
 
 
 def reg_v_verified() -> bool:
@@ -848,43 +689,9 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
     """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
     no sync."""
     heads = query.shape[1]
-    if params.stream:
-        raise ValueError("params.stream runs through launch_stream")
     return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
-                            params.launch_options(), {"U": 0, "TPC": 0}, lead_tiles)
-
-
-def stream_ctas(heads: int, params: FewHeadsParams, sms: int) -> int:
-    """CTAs a head block of a stream-K launch: one wave of the chip's slots, shared by the head blocks."""
-    return max(1, sms * params.ctas_per_sm // -(-heads // BLOCK_H))
-
-
-def stream_entries(heads: int, params: FewHeadsParams, sms: int) -> int:
-    """Partial entries a stream-K launch writes at most: two a CTA (its range's first and last rows) a head."""
-    return 2 * stream_ctas(heads, params, sms) * heads
-
-
-def launch_stream(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-                  ws: td.Workspace, params: FewHeadsParams) -> Any:
-    """The stream-K form (params.stream): grid (head blocks, CTAs), each CTA an even share of the rows x 64-token
-    tiles of the width; rows split between CTAs are merged by triton_decode.stream_combine. Inputs already checked;
-    ws holds stream_entries(heads, params, sms) partial entries. No kernel choice uses it (NOTES v16)."""
-    rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
-    if rows == 0:  # no units: the gatherer's first unit would read counts[-1]
-        return None
-    ctas = stream_ctas(heads, params, td.num_sms(query.device))
-    tiles = -(-width // BLOCK_N)
-    per_cta = -(-rows * tiles // ctas)
-    _, lse_t = td.scratch(ws, rows, heads, 1, lse)
-    if ws.capacity < 2 * ctas * heads:
-        raise ValueError(f"workspace holds {ws.capacity} partial entries; this call needs {2 * ctas * heads} "
-                         "(stream_entries)")
-    compiled = gd.call_kernel(few_heads_kernel, (-(-heads // BLOCK_H), ctas, 1), query, kv_rows, slots, counts, out,
-                              lse_t, softmax_scale, output_scale, ws, 1, kernel_constexprs(params, heads),
-                              params.launch_options(), {"U": rows * tiles, "TPC": per_cta})
-    td.stream_combine(ws, out, lse_t, tiles, per_cta, output_scale)
-    return compiled
+                            params.launch_options(), lead_tiles=lead_tiles)
 
 
 def few_heads_sparse_mla_decode(
@@ -913,7 +720,7 @@ def few_heads_sparse_mla_decode(
     reason = gd.gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
-    params = params or FewHeadsParams()
+    params = params or reg_v_params()
     fmt = "nvfp4_ds_mla" if params.nvfp4 else "fp8"
     td._check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]

@@ -144,7 +144,7 @@ if gl is not None:
 
     @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
-                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr):
+                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
         other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T)."""
         bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
@@ -160,13 +160,13 @@ if gl is not None:
         p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
         fence_async_shared()
-        gd.publish(p_ready.index(b), HANDOFF)
+        mbarrier.arrive(p_ready.index(b))
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
     @gluon.jit
     def _other_tile(t, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr):
+                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """Tile t, the other consumer's: take m_t and P_t from the owner, rescale and add this consumer's P.V of the
         tile; retired, the P buffer handed back. Returns (m_t, l, O^T)."""
         # the stage's bytes (read here through registers) are visible after its k_ready phase
@@ -178,18 +178,17 @@ if gl is not None:
         l_i = l_i * alpha
         a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        gd.publish(p_empty.index(b), HANDOFF)
+        mbarrier.arrive(p_empty.index(b))
         return m_new, l_i, acc
 
     @gluon.jit
     def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr,
-                  HANDOFF: gl.constexpr):
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
         out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
-        gd.publish(l_ready.index(0), HANDOFF)
+        mbarrier.arrive(l_ready.index(0))
         mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
@@ -220,7 +219,7 @@ if gl is not None:
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, HANDOFF: gl.constexpr,
+        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr,
     ):
         """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile) and takes P.V of the others (_other_tile), in
         tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's."""
@@ -232,20 +231,20 @@ if gl is not None:
                 s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                          qk_scale, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
+                                          qk_scale, HALF, K_STAGES, IN_FLIGHT)
         # the other's tile o - 1, then this consumer's tile o
         for o in range(2 - HALF, num_tiles, 2):
             m_i, l_i, acc = _other_tile(o - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                        HALF, K_STAGES, IN_FLIGHT, HANDOFF)
+                                        HALF, K_STAGES, IN_FLIGHT)
             s = warpgroup_mma_wait(num_outstanding=0,
                                    deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
             m_i, l_i, acc = _own_tile(o, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                      qk_scale, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
+                                      qk_scale, HALF, K_STAGES, IN_FLIGHT)
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
-                                        p_empty, HALF, K_STAGES, IN_FLIGHT, HANDOFF)
+                                        p_empty, HALF, K_STAGES, IN_FLIGHT)
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, HANDOFF)
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF)
 
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def seesaw_decode_kernel(
@@ -259,7 +258,6 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr,  # P.V k-steps (of 4) whose register operands are in flight at once
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
-        HANDOFF: gl.constexpr,  # SeesawParams.handoff
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
@@ -280,10 +278,9 @@ if gl is not None:
             mbarrier.init(k_ready.index(i), count=129)  # the gatherer's cp.async arrivals + its bias publish
             mbarrier.init(k_empty.index(i), count=2)  # both consumers, their P.V operands loaded
         for i in gl.static_range(2):
-            # (+ 128: each thread's own arrive, with HANDOFF 1)
-            mbarrier.init(p_ready.index(i), count=129 if HANDOFF else 1)  # the tile's owner
-            mbarrier.init(p_empty.index(i), count=129 if HANDOFF else 1)  # the other consumer, P.V retired
-        mbarrier.init(l_ready.index(0), count=258 if HANDOFF else 2)
+            mbarrier.init(p_ready.index(i), count=1)  # the tile's owner
+            mbarrier.init(p_empty.index(i), count=1)  # the other consumer, P.V retired
+        mbarrier.init(l_ready.index(0), count=2)
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         gfh._store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
@@ -296,13 +293,13 @@ if gl is not None:
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, K_STAGES, PV_IN_FLIGHT, HANDOFF)),
+                             0, K_STAGES, PV_IN_FLIGHT)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                              k_ready, k_empty, p_ready, p_empty, l_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, K_STAGES, PV_IN_FLIGHT, HANDOFF)),
+                             1, K_STAGES, PV_IN_FLIGHT)),
                 (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
@@ -325,11 +322,6 @@ class SeesawParams:
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
-    # the consumers' hand-offs (P and m_t, P freed, the row sums) through mbarriers: 0 one thread's arrive after the
-    # partition's bar.sync; 1 each thread's own arrive too, which racecheck follows (gluon_decode.publish), 1.2-1.4% slower at
-    # 200-320 rows (H200). Named barriers (bar.arrive / bar.sync) were slower still and racecheck does not follow
-    # bar.arrive: measured and removed (NOTES v20, results/h200-2026-12-04/exchange/handoff2.patch).
-    handoff: int = 0
     # Measured and removed (NOTES v16 / v17, H200, 320 rows): the non-owner issuing its next tile's Q.K before the
     # other's P (S's 32 registers held across P.V: 367-476 µs), and the next Q.K and softmax before the other's max
     # (P' rescaled after: 361-368 µs), against 344-345 for this order.
@@ -337,8 +329,6 @@ class SeesawParams:
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
-        if self.handoff not in (0, 1):
-            raise ValueError(f"handoff must be 0 or 1, got {self.handoff}")
         gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
@@ -353,7 +343,7 @@ class SeesawParams:
 def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
-                PRODUCER_REGS=params.producer_regs, HANDOFF=params.handoff)
+                PRODUCER_REGS=params.producer_regs)
 
 
 def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:

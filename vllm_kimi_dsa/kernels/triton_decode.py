@@ -39,17 +39,10 @@ class Config:
     num_warps: int
     num_stages: int
     ctas_per_sm: int  # occupancy assumed by the split heuristic
-    qk_f16: bool = False  # fp8 cache: Q.K on fp16 tensor cores (fp32-exact sums) rather than fp8
-    imprecise: int = 32  # fp8 Q.K: promote the wgmma accumulator every this many products (0: never)
     prefetch: bool = False  # gather the next tile into registers while this one computes
     lazy: bool = False  # rescale the accumulator only when the running max grows by > 2**8
     swap: bool = False  # transposed dots (tokens and dims as the MMA's M, heads as N): for few heads
-    ptx: bool = True  # nvfp4: the inline-PTX e2m1 decode on a GPU (the interpreter always runs the Triton twin)
     split_tiles: float = 0.0  # split heuristic: tiles' worth a CTA's partial costs (its write + the combine's read)
-    # plan a batch as whole rows filling full waves unsplit, then the rest split to fill one more (choose_plan);
-    # False: every row split alike (choose_splits). On for every config: on the H200 never slower beyond spread, and
-    # up to 18% faster at 80-320 rows (NOTES v11: both Gluon kernels and the `tl` configs, each in one run)
-    tail_split: bool = True
     # a tile's time at this config's occupancy, in tiles of the same kernel run one CTA an SM: what plan_cost weighs a
     # plan's model cost by to choose between one kernel's occupancies (gluon_few_heads.TWO_CTA_TILE_COST)
     tile_cost: float = 1.0
@@ -70,11 +63,11 @@ def default_config(heads: int, fmt: CacheFormat) -> Config:
     """
     fmt = normalize_format(fmt)
     if heads > 32:
-        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, imprecise=0)
+        return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
     if fmt == "fp8":
         if heads > 16:  # round 4: 360 µs at 320 rows, vs 364 for 16-head blocks x 2 and 375 for a 64-head tile
-            return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, imprecise=0, swap=True)
-        return Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, imprecise=0, swap=True)
+            return Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, swap=True)
+        return Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, swap=True)
     # nvfp4, <= 32 heads: 16-head blocks (at 32 heads two of them: 932 vs 1026 µs for one 32-head tile, round 5)
     return Config(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, prefetch=True, lazy=True)
 
@@ -203,8 +196,6 @@ def _even_plan_and_cost(rows: int, head_blocks: int, tiles: int, cfg: Config,
                         slots_per_wave: int) -> tuple[tuple[int, int], float]:
     splits, best_cost = _best_splits(rows, head_blocks, tiles, cfg, slots_per_wave)
     best = (0, splits)
-    if not cfg.tail_split:
-        return best, best_cost
     for waves in range(1, rows * head_blocks // slots_per_wave + 1):
         whole = waves * slots_per_wave // head_blocks  # rows whose head blocks fill `waves` waves, unsplit
         if not 0 < whole < rows:
@@ -266,35 +257,22 @@ def _epilogue(
 
 
 @triton.jit
-def _row_split(num_splits, lead_tiles, LEAD: tl.constexpr):
-    """(row, split) of this program on grid (head blocks, splits, rows). With LEAD (lead_tiles > 0) the grid is read
-    split-major, so that every row's first (long) piece is dispatched before any of the short ones."""
+def _row_split():
+    """(row, split) of this program on grid (head blocks, splits, rows)."""
     split = tl.program_id(1)
     row = tl.program_id(2)
-    if LEAD:
-        lin = split + row * num_splits
-        rows = tl.num_programs(2)
-        split = lin // rows
-        row = lin % rows
     return row, split
 
 
 @triton.jit
-def _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: tl.constexpr, LEAD: tl.constexpr):
-    """[start, end) tokens of this split of the row: `num_splits` even pieces of its tiles, or with LEAD the first
-    `lead_tiles` tiles, then the rest in num_splits - 1 even pieces (choose_lead)."""
+def _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N: tl.constexpr):
+    """[start, end) tokens of this split of the row: `num_splits` even pieces of its tiles."""
     count = tl.load(counts_ptr + row)
     count = tl.minimum(tl.maximum(count, 0), K)
     tiles = tl.cdiv(count, BLOCK_N)
-    if LEAD:
-        first = tl.minimum(tiles, lead_tiles)
-        per = tl.cdiv(tiles - first, tl.maximum(num_splits - 1, 1))
-        t0 = tl.where(split == 0, 0, first + (split - 1) * per)
-        t1 = tl.where(split == 0, first, t0 + per)
-    else:
-        per = tl.cdiv(tiles, num_splits)
-        t0 = split * per
-        t1 = t0 + per
+    per = tl.cdiv(tiles, num_splits)
+    t0 = split * per
+    t1 = t0 + per
     start = t0 * BLOCK_N
     end = tl.minimum(t1 * BLOCK_N, count)
     return start, end
@@ -411,21 +389,16 @@ def _dequant_nvfp4(packed, sc, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _qk(q, k, acc, SWAP: tl.constexpr, IMPRECISE: tl.constexpr):
-    """acc + q k^T (BLOCK_H, BLOCK_N), or with SWAP its transpose k q^T (BLOCK_N, BLOCK_H).
-
-    IMPRECISE (fp8 operands): promote Hopper's wgmma accumulator every IMPRECISE products (0: never).
-    """
+def _qk(q, k, acc, SWAP: tl.constexpr):
+    """acc + q k^T (BLOCK_H, BLOCK_N), or with SWAP its transpose k q^T (BLOCK_N, BLOCK_H); fp8 operands sum on
+    Hopper's wgmma without accumulator promotion (within the tests' fp8-wgmma bound)."""
     if SWAP:
         a = k
         b = tl.trans(q)
     else:
         a = q
         b = tl.trans(k)
-    if IMPRECISE > 0:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
-    else:
-        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -507,7 +480,7 @@ def _head_major(acc, SWAP: tl.constexpr):
         return acc
 
 
-@triton.jit(do_not_specialize=["lead_tiles"])  # one compile for every lead (LEAD: one for lead plans at all)
+@triton.jit(do_not_specialize=["lead_tiles"])
 def _decode_kernel(
     q_ptr, kv_ptr, slots_ptr, counts_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -518,15 +491,10 @@ def _decode_kernel(
     NVFP4: tl.constexpr,  # False: 576 e4m3 bytes a row; True: 352-byte nvfp4_ds_mla rows
     BLOCK_H: tl.constexpr,  # heads a program (padded heads are masked)
     BLOCK_N: tl.constexpr,  # KV rows a tile
-    QK_F16: tl.constexpr,  # fp8 cache: Q.K on fp16 tensor cores (fp32-exact) instead of fp8
-    IMPRECISE: tl.constexpr,  # fp8 Q.K: promote the accumulator every IMPRECISE products (0: never)
-    PREFETCH: tl.constexpr,  # gather tile i + 1 into registers while tile i computes (slots 2 ahead)
+    PREFETCH: tl.constexpr,  # nvfp4: gather tile i + 1 into registers while tile i computes (slots 2 ahead)
     LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
     SWAP: tl.constexpr,  # transposed dots: S^T = K Q^T, O^T = V^T P^T
     PTX: tl.constexpr,  # inline PTX where it helps (a GPU); False: the pure-Triton twin (the interpreter)
-    # a lead plan's launch (lead_tiles > 0, choose_lead): a compile of its own, so that even splits -- every plan of
-    # this kernel's configs -- keep the code (and registers) they had without it
-    LEAD: tl.constexpr = False,
 ):
     """One (head block, KV split, row): online softmax over the split's tiles of gathered rows.
 
@@ -535,14 +503,14 @@ def _decode_kernel(
     falls back to mma.sync.
     """
     hb = tl.program_id(0)
-    row, split = _row_split(num_splits, lead_tiles, LEAD)
+    row, split = _row_split()  # lead_tiles: the decode kernels' common arguments; this one splits evenly
     D: tl.constexpr = 512
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
     q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
-    start, end = _split_range(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N, LEAD)
+    start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
     s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -567,9 +535,9 @@ def _decode_kernel(
                 packed, sc, rope, valid = _gather_nvfp4(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
             lo, hi = _dequant_nvfp4(packed, sc, BLOCK_N, PTX)
             k_rope = rope.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, 0)
-            s = _qk(q_lo, lo, s, SWAP, 0)
-            s = _qk(q_hi, hi, s, SWAP, 0)
+            s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP)
+            s = _qk(q_lo, lo, s, SWAP)
+            s = _qk(q_hi, hi, s, SWAP)
             pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, SWAP, LAZY)
             acc = _pv(pb, lo, acc, SWAP)
             acc2 = _pv(pb, hi, acc2, SWAP)
@@ -580,35 +548,18 @@ def _decode_kernel(
         acc = tl.reshape(tl.join(_head_major(acc, SWAP), _head_major(acc2, SWAP)), [BLOCK_H, D])
     else:
         q_lat = tl.load(q_base + tl.arange(0, D)[None, :], mask=mask_h[:, None], other=0.0)
-        if QK_F16:
-            q_lat = q_lat.to(tl.float16)
-            q_rope = q_rope.to(tl.float16)
         acc = _acc_zeros(D, BLOCK_H, SWAP)
         acc2 = _acc_zeros(1, BLOCK_H, SWAP)  # a placeholder: _softmax rescales two accumulators
         slot_n = _slots(s_base, start, end, BLOCK_N)
-        if PREFETCH:
-            k_lat, k_rope, valid = _gather_fp8(kv_ptr, slot_n, stride_kv)
-            slot_n = _slots(s_base, start + BLOCK_N, end, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:
-                slot_nn = _slots(s_base, n0 + 2 * BLOCK_N, end, BLOCK_N)
-                k_lat_n, k_rope_n, valid_n = _gather_fp8(kv_ptr, slot_n, stride_kv)
-            else:
-                k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
+            k_lat, k_rope, valid = _gather_fp8(kv_ptr, _slots(s_base, n0, end, BLOCK_N), stride_kv)
             v = k_lat.to(tl.float16)
-            if QK_F16:
-                s = _qk(q_rope, k_rope.to(tl.float16), _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, 0)
-                s = _qk(q_lat, v, s, SWAP, 0)
-            else:
-                # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma sums them with fewer bits than fp32
-                # unless promoted every IMPRECISE products (mma.sync, at BLOCK_H 16, sums in fp32).
-                s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP, IMPRECISE)
-                s = _qk(q_lat, k_lat, s, SWAP, IMPRECISE)
+            # e4m3 x e4m3 products are exact; Hopper's fp8 wgmma sums them with fewer bits than fp32 (mma.sync, at
+            # BLOCK_H 16, sums in fp32)
+            s = _qk(q_rope, k_rope, _acc_zeros(BLOCK_N, BLOCK_H, SWAP), SWAP)
+            s = _qk(q_lat, k_lat, s, SWAP)
             pb, m_i, l_i, acc, acc2 = _softmax(s, valid, m_i, l_i, acc, acc2, qk_scale, SWAP, LAZY)
             acc = _pv(pb, v, acc, SWAP)
-            if PREFETCH:
-                k_lat, k_rope, valid = k_lat_n, k_rope_n, valid_n
-                slot_n = slot_nn
         acc = _head_major(acc, SWAP)
 
     _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
@@ -628,26 +579,6 @@ def _combine_kernel(
     idx = (row * num_splits + offs_s) * H + h
     _merge_partials(part_out_ptr, part_lse_ptr, idx, offs_s < num_splits, out_ptr, lse_ptr, row, h,
                     stride_o_row, stride_o_head, stride_lse_row, out_scale, D)
-
-
-@triton.jit
-def _stream_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    H, T, TPC, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-    PIECES: tl.constexpr, D: tl.constexpr,
-):
-    """A stream-K launch's rows split between CTAs (units row T .. row T + T - 1, TPC a CTA): CTA c's piece of the
-    row is partial entry 2 c if the row is the first of c's range, else 2 c + 1 (gluon_few_heads'
-    _regv_stream_consumer). A row inside one CTA's range was written whole by it and is left alone."""
-    h = tl.program_id(0)
-    row = tl.program_id(1)
-    first = (row * T) // TPC
-    last = ((row + 1) * T - 1) // TPC
-    if first != last:
-        cta = first + tl.arange(0, PIECES)
-        idx = (2 * cta + tl.where((cta * TPC) // T == row, 0, 1)) * H + h
-        _merge_partials(part_out_ptr, part_lse_ptr, idx, cta <= last, out_ptr, lse_ptr, row, h,
-                        stride_o_row, stride_o_head, stride_lse_row, out_scale, D)
 
 
 @triton.jit
@@ -704,17 +635,11 @@ def make_workspace(
     config: Config | None = None,
     plans: dict[tuple[int, int], tuple[int, int]] | None = None,
     min_entries: int = 0,
-    partial_dtype: torch.dtype | None = None,
 ) -> Workspace:
     """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
-    them when the caller has it already (else made here); min_entries: at least this many partial entries (a
-    stream-K launch's, gluon_few_heads.stream_entries); partial_dtype: the split partials' dtype, float16 (None:
-    PARTIAL_DTYPE) or float32 (every kernel stores into the workspace's dtype, the combine reads it in fp32). A
-    normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
+    them when the caller has it already (else made here); min_entries: at least this many partial entries (a larger
+    shared scratch). Partials are PARTIAL_DTYPE (the combine reads them in fp32). A normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
     <= 448 for e4m3 rows, <= 6 x 448 for nvfp4_ds_mla, inside fp16's range, rounded to 2^-11 of the largest."""
-    partial_dtype = PARTIAL_DTYPE if partial_dtype is None else partial_dtype
-    if partial_dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"partial_dtype must be torch.float32 or torch.float16, got {partial_dtype}")
     device = torch.device(device)
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
@@ -728,7 +653,7 @@ def make_workspace(
         if s > 1:
             need = max(need, (r - whole) * s * heads)
     return Workspace(
-        part_out=torch.empty(need * LATENT_DIM, dtype=partial_dtype, device=device),
+        part_out=torch.empty(need * LATENT_DIM, dtype=PARTIAL_DTYPE, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
         dummy_lse=torch.empty(max_rows * heads, dtype=torch.float32, device=device),
         capacity=need,
@@ -814,39 +739,26 @@ def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, 
 
 
 def combine_warps(ws: Workspace) -> int:
-    """_combine_kernel's (and _stream_combine_kernel's) warps: as many as 16-byte loads cover one split's 512 dims
+    """_combine_kernel's warps: as many as 16-byte loads cover one split's 512 dims
     (4 for fp32 partials, 2 for fp16), so that each thread holds the same dims of every split and the sum down the
     splits stays in the thread. With 4 warps on fp16 partials Triton put the splits across 2 warps (a shared-memory
     reduction): 3.6 -> 7.3 µs at 8 rows, 3.9 -> 14.9 at 20 (H = 128, NOTES v19)."""
     return LATENT_DIM * ws.part_out.element_size() // (32 * 16)
 
 
-def stream_combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tiles: int, per_cta: int,
-                   output_scale: float) -> None:
-    """Merge the partials of a stream-K launch (rows of `tiles` units, per_cta units a CTA) into out and lse_t."""
-    rows, heads = out.shape[0], out.shape[1]
-    _stream_combine_kernel[(heads, rows)](
-        ws.part_out, ws.part_lse, out, lse_t,
-        heads, tiles, per_cta, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
-        PIECES=next_pow2(min(tiles, (tiles - 1) // per_cta + 2)), D=LATENT_DIM,
-        num_warps=combine_warps(ws),
-    )
-
-
 def _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace, cfg: Config,
-            splits: int, lead_tiles: int = 0):
+            splits: int):
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = scratch(ws, rows, heads, splits, lse)
     compiled = _decode_kernel[(cdiv(heads, cfg.block_h), splits, rows)](
         query, kv_rows, slots, counts,
         out, lse_t, ws.part_out, ws.part_lse,
-        heads, slots.shape[1], splits, lead_tiles,
+        heads, slots.shape[1], splits, 0,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), lse_t.stride(0),
         softmax_scale * LOG2E, output_scale,
         NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        QK_F16=cfg.qk_f16, IMPRECISE=cfg.imprecise, PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap,
-        PTX=cfg.ptx and query.is_cuda, LEAD=bool(lead_tiles) and splits > 1, num_warps=cfg.num_warps,
+        PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap, PTX=query.is_cuda, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     combine(ws, out, lse_t, splits, output_scale)
@@ -890,7 +802,6 @@ def sparse_mla_decode(
     workspace: Workspace | None = None,
     config: Config | None = None,
     splits: int | None = None,
-    lead_tiles: int = 0,
 ) -> object:
     """Sparse MLA decode over flat rows into `out` (and `lse`), as reference_decode defines it.
 
@@ -900,21 +811,17 @@ def sparse_mla_decode(
     counts: (rows,) int32.
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: from make_workspace (None allocates one: tests and benchmarks only).
-    config / splits: override the fixed table and the split heuristic (benchmarks).
-    lead_tiles: with splits > 1, the first piece of each row takes this many tiles, the rest share the others
-    (choose_lead's plans); 0: even splits.
+    config / splits: override the fixed table and the split heuristic (benchmarks); splits are even.
     Count 0 -> out 0, lse -inf. Returns the main kernel's compiled handle (registers, asm).
     """
     fmt = normalize_format(fmt)
-    check_lead(lead_tiles)
     _check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
     cfg = config or default_config(heads, fmt)
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
     workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
-    return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits,
-                   lead_tiles)
+    return _launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
 class TritonDecode:
@@ -946,7 +853,7 @@ class TritonDecode:
         self.gluon_large: tuple[Any, ...] = ()
         want = envs.gluon_choice()
         few = setup.heads <= 32
-        large, large_from, large_launch, seesaw_takes = (), setup.max_rows + 1, None, None
+        large, large_launch, seesaw_takes = (), None, None
         if want != "0" and ((self.fmt == "fp8" and setup.heads > 32) or few):
             from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads
 
@@ -957,16 +864,20 @@ class TritonDecode:
                 if want == "1" or gluon_seesaw.seesaw_verified():
                     large, large_launch = (gluon_seesaw.SeesawParams(),), gluon_seesaw.launch
                     seesaw_takes = gluon_seesaw.seesaw_takes
-            else:
-                params = gluon_few_heads.FewHeadsParams() if self.fmt == "fp8" else gluon_few_heads.nvfp4_params()
+            elif self.fmt == "fp8":  # every batch on reg_v, one or two CTAs an SM by plan cost
+                params = gluon_few_heads.reg_v_params()
                 verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
                 launch = gluon_few_heads.launch
-                if self.fmt == "fp8" and (want == "1" or gluon_few_heads.reg_v_verified()):
-                    large = (gluon_few_heads.reg_v_params(), gluon_few_heads.reg_v_params(ctas_per_sm=2))
-                    large_from = gluon_few_heads.REG_V_MIN_ROWS
+                large = (gluon_few_heads.reg_v_params(), gluon_few_heads.reg_v_params(ctas_per_sm=2))
+            else:
+                params = gluon_few_heads.nvfp4_params()
+                verified = gluon_few_heads.few_heads_verified(self.fmt, setup.heads)
+                launch = gluon_few_heads.launch
             if gluon_decode.gluon_available(setup.device) and (want == "1" or verified):
+
                 self.gluon, self.gluon_large = params, large
-                self.config = params.config()
+                # fp8 few heads: each plan's config is its reg_v params'; this one sizes nothing (plans are given)
+                self.config = gluon_few_heads.few_heads_config() if few and self.fmt == "fp8" else params.config()
                 self._gluon_launch = launch
         sms = num_sms(torch.device(setup.device))
         self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config, sms)
@@ -989,7 +900,7 @@ class TritonDecode:
         for (rows, width), (whole, splits) in self._plans.items():
             first = tail = small
             plan_config = self.config
-            if few and rows >= large_from and self.gluon_large:
+            if few and self.gluon_large:
                 costs = [plan_cost(rows, setup.heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
                 plan_config = large_configs[best]
