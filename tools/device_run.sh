@@ -62,14 +62,17 @@ run() {
   [ "$left" -ge 15 ] || { say "== $(basename "$log" .log) skipped: ${left}s left"; return 0; }
   timeout -k 10 "$left" "$@" > "$log" 2>&1
   local rc=$?
-  say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-150)"
+  say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
   return $rc
 }
 # peer: the FlashInfer tree prepare.sh packed, unpacked for the suite's JIT (sm_90a, 16 jobs, a libcuda link shim)
 peer_env() {
   [ -f .carry/fi/fi_site.tar.xz ] || return 1
-  [ -n "${DRY:-}" ] || [ -d /tmp/fi/site ] || { mkdir -p /tmp/fi && tar -xJf .carry/fi/fi_site.tar.xz -C /tmp/fi; } || return 1
-  export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
+  if [ -z "${DRY:-}" ] && [ ! -d /tmp/fi/site ]; then
+    mkdir -p /tmp/fi && tar -xJf .carry/fi/fi_site.tar.xz -C /tmp/fi || return 1
+  fi
+  export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=16 \
+    FLASHINFER_CUDA_ARCH_LIST=9.0a
   local ch; ch=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
   if [ ! -e "$ch/lib64/stubs/libcuda.so" ] && [ ! -e "$ch/lib64/libcuda.so" ]; then
     mkdir -p /tmp/culink && ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so
@@ -92,8 +95,10 @@ step() {  # N STEP ARGS...
            fi
            [ -n "$CS${DRY:-}" ] || { say "== ${n}_$s: no compute-sanitizer here"; return 1; }
            run "$n" "$s" "$CS" "${opts[@]}" python3 "$script" "$@"
-           [ -n "${DRY:-}" ] || grep -oE "access at [A-Za-z0-9_]+\+0x[0-9a-f]+ in [A-Za-z0-9_.]+:[0-9]+" \
-             "$OUT/${n}_$s.log" | sed 's/+0x[0-9a-f]*//' | sort | uniq -c | sort -rn | head -6 | tee -a "$OUT/summary.txt"
+           local site="(Read|Write)( Thread \([0-9,]+\)| access) at [A-Za-z0-9_]+\+0x[0-9a-f]+ in [A-Za-z0-9_.]+:[0-9]+"
+           [ -n "${DRY:-}" ] || grep -oE "$site" "$OUT/${n}_$s.log" |  # hazards counted by source line
+             sed -E 's/ Thread \([0-9,]+\)//; s/\+0x[0-9a-f]+//' | sort | uniq -c | sort -rn | head -6 |
+             tee -a "$OUT/summary.txt"
            [ -n "${DRY:-}" ] || gzip -f "$OUT/${n}_$s.log";;
     ncu)   local rep=/tmp/ncu_$n
            run "$n" ncu "$NCU" --clock-control none -k "regex:decode_kernel|few_heads_kernel" -s 1 -c 1 \
@@ -118,8 +123,9 @@ done
 [ -n "${DRY:-}" ] && exit 0
 files=$(cd "$OUT" && find . -type f | wc -l)
 if [ "$files" -gt 8 ]; then
-  (cd "$OUT" && tar czf logs.tgz --exclude=./summary.txt --exclude=./bench_suite.json --exclude=./logs.tgz . &&
-    find . -type f ! -name summary.txt ! -name bench_suite.json ! -name logs.tgz -delete)
+  (cd "$OUT" && tar czf /tmp/device_logs.tgz --exclude=./summary.txt --exclude=./bench_suite.json . &&
+    find . -type f ! -name summary.txt ! -name bench_suite.json -delete && find . -mindepth 1 -type d -empty -delete &&
+    mv /tmp/device_logs.tgz logs.tgz)
 fi
 say "== total $(( $(date +%s) - T0 ))s; in \$OUT: $(cd "$OUT" && find . -type f | sed 's#^\./##' | tr '\n' ' ')"
 ! grep -qE "rc=[1-9]" "$OUT/summary.txt"
