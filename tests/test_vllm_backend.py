@@ -21,7 +21,7 @@ pytest.importorskip("vllm.v1.attention.backends.mla.flashinfer_mla_sparse", reas
 
 import vllm_harness as vh  # noqa: E402
 from decode_checks import check_decode  # noqa: E402
-from test_dcp import make_case  # noqa: E402
+from dcp_cases import make_case  # noqa: E402
 
 from vllm_kimi_dsa import envs, vllm_glue  # noqa: E402
 from vllm_kimi_dsa.convert import convert_topk_reference  # noqa: E402

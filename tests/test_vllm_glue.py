@@ -364,13 +364,13 @@ def test_cores_read_dcp_and_dtype_from_the_vllm_impl(models, reference_kernels, 
 def test_dcp_ranks_through_the_glue_match_vllms_own_combine(models, reference_kernels, monkeypatch):
     """Each rank's glue hands the LSE in the base its impl declares; vLLM's CPU combine, told that base
     (is_lse_base_on_e=impl.lse_base_on_e), must give the TP answer, and told the other base must not."""
-    import test_dcp
+    from dcp_cases import make_case
     from vllm.v1.attention.ops.dcp import _lse_weighted_combine
 
     fmt, dcp, interleave, heads, width, rows = "fp8", 2, 64, 16, 128, 4
     scales = (0.04, 0.5)
     config = models.config()
-    (tp_cache, tp_meta), ranks, topk, query = test_dcp.make_case(fmt, dcp, interleave, rows, heads, width, seed=7)
+    (tp_cache, tp_meta), ranks, topk, query = make_case(fmt, dcp, interleave, rows, heads, width, seed=7)
     tp_layer = models.mla(config, heads=heads, scales=scales)
     tp = KimiDSACores([tp_layer], heads=heads, batch_sizes=[rows], width=width,
                       kernels={rows: "triton"}, return_lse=True, device=DEVICE)

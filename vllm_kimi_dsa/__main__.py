@@ -15,9 +15,10 @@ import time
 from collections.abc import Sequence
 from typing import Callable, NoReturn
 
+from vllm_kimi_dsa import cli_types
+
 PROG = "python -m vllm_kimi_dsa"
 DEMO_BOUND = 2e-2  # the demo's relative L2 error bound vs the float32 reference
-TUNE_DTYPES = ("fp8", "fp8_e4m3", "nvfp4_ds_mla")  # what tune.main accepts (fp8_e4m3 is vLLM's alias of fp8)
 
 ErrorFn = Callable[[str], NoReturn]
 
@@ -40,49 +41,6 @@ def _interpret_without_gpu() -> bool:
     return gpu
 
 
-# ---------------------------------------------------------------- option types (argparse `type=`)
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-
-
-def _at_least_one(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _head_count(text: str) -> int:
-    from vllm_kimi_dsa.heads import SUPPORTED_HEADS
-
-    value = _int(text)
-    if value not in SUPPORTED_HEADS:
-        raise argparse.ArgumentTypeError(f"must be one of {SUPPORTED_HEADS} (K3.1's heads per rank), got {value}")
-    return value
-
-
-def _top_k_width(text: str) -> int:
-    value = _int(text)
-    if value < 128 or value % 128:
-        raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {value}")
-    return value
-
-
-def _kernel_names(text: str) -> tuple[str, ...]:
-    from vllm_kimi_dsa.selection import KERNELS
-
-    names = tuple(k for k in text.split(",") if k)  # split as tune.main splits it, so both see the same names
-    bad = [k for k in names if k not in KERNELS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names among {KERNELS}, got {text!r}")
-    return names
-
-
 # ---------------------------------------------------------------- the parser
 
 
@@ -91,12 +49,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="one synthetic K3.1 decode step through the core, checked against the reference",
                        description=run_demo.__doc__)
-    p.add_argument("--layers", type=_at_least_one, default=3, help="DSA layers to run (one core each, shared buffers)")
-    p.add_argument("--rows", type=_at_least_one, default=None,
+    p.add_argument("--layers", type=cli_types.at_least_one, default=3, help="DSA layers to run (one core each, shared buffers)")
+    p.add_argument("--rows", type=cli_types.at_least_one, default=None,
                    help="decode tokens in the batch (default 20; 3 on a CPU)")
-    p.add_argument("--heads", type=_head_count, default=None,
+    p.add_argument("--heads", type=cli_types.head_count, default=None,
                    help="query heads per rank (128 = TP1 padded, 12 = TP8; default 128, 16 on a CPU)")
-    p.add_argument("--width", type=_top_k_width, default=None,
+    p.add_argument("--width", type=cli_types.top_k_width, default=None,
                    help="top-k width, a multiple of 128 (K3.1: 2048, the default; 256 on a CPU)")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "nvfp4_ds_mla"])
     p.add_argument("--kernel", default=None, choices=KERNELS,
@@ -105,23 +63,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    # The options of tune.main's own parser, with their values checked here (tune.main then runs them): test_cli
-    # holds the two option sets equal.
-    from vllm_kimi_dsa import bench
+    from vllm_kimi_dsa import tune
 
     p = sub.add_parser("tune", help="time every kernel this machine runs per batch size, write the kernel table",
-                       description="Time each decode kernel per batch size and write the kernel table "
-                                   "(point VLLM_KIMI_DSA_KERNEL_TABLE at it).")
-    p.add_argument("--rows", type=bench.batch_sizes, default=None, help="batch sizes, comma-separated")
-    p.add_argument("--heads", type=_head_count, default=128, help="query heads per rank (128 = TP1 padded, 12 = TP8)")
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=TUNE_DTYPES)
-    p.add_argument("--dcp", type=_at_least_one, default=1,
-                   help="decode context parallel size (> 1 tunes the 'dcp' table)")
-    p.add_argument("--width", type=_top_k_width, default=None, help="top-k width (default 2048; 128 on a CPU)")
-    p.add_argument("--kernels", type=_kernel_names, default=None, help="comma-separated subset of the kernels to time")
-    p.add_argument("--out", default="kernel_table.json", help="table file to write (other topology kept)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (interpreter, tiny sizes; tests)")
-    p.add_argument("--no-progress", action="store_true")
+                       description=tune.DESCRIPTION)
+    tune.add_arguments(p)
     return p
 
 
@@ -218,24 +164,6 @@ def run_demo(args: argparse.Namespace, gpu: bool, error: ErrorFn) -> int:
     return 0 if ok else 1
 
 
-def run_tune(args: argparse.Namespace, rest: list[str], gpu: bool, error: ErrorFn) -> int:
-    """Refuse what tune cannot run here as a usage error, then hand the (checked) command line to tune.main."""
-    from vllm_kimi_dsa.formats import normalize_format
-    from vllm_kimi_dsa.tune import default_kernels, main as tune_main
-
-    if not gpu and not args.allow_cpu:
-        error("no CUDA GPU here: tune times kernels on a GPU (--allow-cpu runs tiny sizes in the Triton "
-              "interpreter, for tests)")
-    fmt = normalize_format(args.kv_cache_dtype)
-    runs_here = default_kernels(fmt, "cuda" if gpu else "cpu")
-    if not runs_here:
-        error(f"no kernel this package runs decodes {fmt} on this machine")
-    if args.kernels is not None and not set(args.kernels) <= set(runs_here):
-        error(f"argument --kernels: {','.join(k for k in args.kernels if k not in runs_here)} does not run {fmt} "
-              f"on this machine; it runs {','.join(runs_here)}")
-    return tune_main(rest)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     gpu = _interpret_without_gpu()
@@ -245,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return run_demo(args, gpu, error)
     if args.command == "tune":
-        # The top-level parser takes no values, so the first "tune" is the command and what follows is tune's.
-        return run_tune(args, argv[argv.index("tune") + 1:], gpu, error)
+        from vllm_kimi_dsa import tune
+
+        return tune.run(args, error)
     from vllm_kimi_dsa import bench
 
     return bench.run(args, error)

@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from vllm_kimi_dsa import cli_types
 
 # Batch sizes measured by default: every small batch (where the kernels differ most), then the
 # CUDA-graph sizes vLLM captures up to K3.1's decode batch.
@@ -383,13 +385,6 @@ def tune(
     return result
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
-
 def _report(result: Mapping[str, Any]) -> str:
     names = list(result["us"])
     lines = [f"{'rows':>6} " + " ".join(f"{k + ' µs':>12}" for k in names) + f" {'pick':>10}"]
@@ -403,49 +398,68 @@ def _report(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: python -m vllm_kimi_dsa tune [--rows 1,2,4] [--heads N] [--kv-cache-dtype fp8|nvfp4_ds_mla] [--dcp N] [--out PATH]."""
-    p = argparse.ArgumentParser(prog="python -m vllm_kimi_dsa tune",
-                                description="Time each decode kernel per batch size and write the kernel table "
-                                            "(point VLLM_KIMI_DSA_KERNEL_TABLE at it).")
-    p.add_argument("--rows", type=_int_list, default=list(DEFAULT_ROWS), help="batch sizes, comma-separated")
-    p.add_argument("--heads", type=int, default=128, help="query heads per rank (128 = TP1 padded, 12 = TP8)")
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "fp8_e4m3", "nvfp4_ds_mla"])
-    p.add_argument("--dcp", type=int, default=1, help="decode context parallel size (> 1 tunes the 'dcp' table)")
-    p.add_argument("--width", type=int, default=None, help="top-k width (default 2048; 128 on a CPU)")
-    p.add_argument("--kernels", default=None, help="comma-separated subset of the kernels to time")
+TUNE_DTYPES = ("fp8", "fp8_e4m3", "nvfp4_ds_mla")  # fp8_e4m3 is vLLM's alias of fp8
+DESCRIPTION = "Time each decode kernel per batch size and write the kernel table (point VLLM_KIMI_DSA_KERNEL_TABLE at it)."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """tune's options, on `p` (its own parser, or the `tune` subcommand of python -m vllm_kimi_dsa)."""
+    p.add_argument("--rows", type=cli_types.batch_sizes, default=DEFAULT_ROWS, help="batch sizes, comma-separated")
+    p.add_argument("--heads", type=cli_types.head_count, default=128,
+                   help="query heads per rank (128 = TP1 padded, 12 = TP8)")
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=TUNE_DTYPES)
+    p.add_argument("--dcp", type=cli_types.at_least_one, default=1,
+                   help="decode context parallel size (> 1 tunes the 'dcp' table)")
+    p.add_argument("--width", type=cli_types.top_k_width, default=None, help="top-k width (default 2048; 128 on a CPU)")
+    p.add_argument("--kernels", type=cli_types.kernel_names, default=None,
+                   help="comma-separated subset of the kernels to time")
     p.add_argument("--out", default="kernel_table.json", help="table file to write (other topology kept)")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (interpreter, tiny sizes; tests)")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
 
+
+def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
+    """Run tune with parsed options; what cannot run here is a usage error (`error`: the parser's, exits 2)."""
     import torch
 
-    if not torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if not gpu:
         if not args.allow_cpu:
-            print("tune: no CUDA GPU here; pass --allow-cpu to run tiny sizes in the Triton interpreter",
-                  file=sys.stderr)
-            return 2
+            error("no CUDA GPU here: tune times kernels on a GPU (--allow-cpu runs tiny sizes in the Triton "
+                  "interpreter, for tests)")
         if os.environ.get("TRITON_INTERPRET") != "1":
             if "triton" in sys.modules:
-                print("tune: Triton was imported before TRITON_INTERPRET=1 could be set; set it in the "
-                      "environment", file=sys.stderr)
-                return 2
+                error("Triton was imported before TRITON_INTERPRET=1 could be set; set it in the environment")
             os.environ["TRITON_INTERPRET"] = "1"
-    width = args.width or (2048 if torch.cuda.is_available() else 128)
-    kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
+    from vllm_kimi_dsa.formats import normalize_format
+
+    fmt = normalize_format(args.kv_cache_dtype)
+    runs_here = default_kernels(fmt, "cuda" if gpu else "cpu")
+    if not runs_here:
+        error(f"no kernel this package runs decodes {fmt} on this machine")
+    if args.kernels is not None and not set(args.kernels) <= set(runs_here):
+        error(f"argument --kernels: {','.join(k for k in args.kernels if k not in runs_here)} does not run {fmt} "
+              f"on this machine; it runs {','.join(runs_here)}")
+    width = args.width if args.width is not None else (2048 if gpu else 128)
     try:
-        result = tune(args.rows, heads=args.heads, kv_cache_dtype=args.kv_cache_dtype, dcp=args.dcp, width=width,
-                      out=args.out, kernels=kernels, allow_cpu=args.allow_cpu, progress=not args.no_progress)
+        result = tune(list(args.rows), heads=args.heads, kv_cache_dtype=args.kv_cache_dtype, dcp=args.dcp,
+                      width=width, out=args.out, kernels=list(args.kernels) if args.kernels else None,
+                      allow_cpu=args.allow_cpu, progress=not args.no_progress)
     except (ValueError, TypeError, RuntimeError) as err:
-        print(f"tune: {err}", file=sys.stderr)
-        return 2
+        error(str(err))
     print(_report(result))
     for kernel, per_rows in result["errors"].items():
         for r, msg in per_rows.items():
             print(f"  {kernel} rows={r} failed: {msg}")
     print(f"wrote {result['path']}; use it with: export VLLM_KIMI_DSA_KERNEL_TABLE={result['path']}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: python -m vllm_kimi_dsa tune [--rows 1,2,4] [--heads N] [--kv-cache-dtype fp8|nvfp4_ds_mla] [--dcp N] [--out PATH]."""
+    p = argparse.ArgumentParser(prog="python -m vllm_kimi_dsa tune", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(list(sys.argv[1:] if argv is None else argv)), p.error)
 
 
 if __name__ == "__main__":
