@@ -67,7 +67,7 @@ HOLE_FRACTION = 0.1
 # One GPU (TP) against the float32 reference (decode_checks.check_decode):
 #   the kernel's e4m3 x e4m3 products are exact in fp32, so logits and LSE differ by summation order (LSE_ATOL);
 #   P is rounded to fp16 before P.V (<= 2^-11 sum_j p_j |v_j| <= 2^-11 vmax, doubled for the split combine: P_ERR);
-#   split partials stored in triton_decode.PARTIAL_DTYPE (fp16: 2^-11 vmax, fp32: 0: PARTIAL_ERR);
+#   split partials stored in kernels.common.PARTIAL_DTYPE (fp16: 2^-11 vmax, fp32: 0: PARTIAL_ERR);
 #   the output rounded to bf16 once (BF16_REL |ref|, RNE 2^-8 on a GPU, 2^-7 in the interpreter, which truncates)
 #   plus 2^-12 |ref| for fp32 summation order. On Hopper's fp8 wgmma (the H >= 64 fp8 kernels, no promotion), the
 #   accumulator keeps ~14 bits: per 32-dim k-step 2^-14 of sum_d |q_d k_d| (WGMMA_STEP_REL), a logit error e per row
@@ -95,9 +95,9 @@ def bf16_rel(device: torch.device) -> float:
 
 
 def partial_err() -> float:
-    from vllm_kimi_dsa.kernels import triton_decode
+    from vllm_kimi_dsa.kernels.common import PARTIAL_DTYPE
 
-    return {torch.float16: 2.0**-11, torch.float32: 0.0}[triton_decode.PARTIAL_DTYPE]
+    return {torch.float16: 2.0**-11, torch.float32: 0.0}[PARTIAL_DTYPE]
 
 
 # ---------------------------------------------------------------- the split (SPEC 4 / 6)

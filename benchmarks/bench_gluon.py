@@ -27,22 +27,17 @@ sys.path.insert(0, str(HERE.parent))
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_decode import (  # noqa: E402
-    GluonParams,
-    gluon_available,
-    gluon_config,
-    gluon_sparse_mla_decode,
-    gluon_unavailable_reason,
-)
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
+from vllm_kimi_dsa.planning import gluon_config  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import (  # noqa: E402
-    SeesawParams,
-    seesaw_sparse_mla_decode,
-    seesaw_takes,
-)
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa import planning  # noqa: E402
+from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 
 K = 2048
 HEADS = 128
@@ -66,7 +61,7 @@ SEESAW_VARIANTS: dict[str, dict] = {
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
-# gluon_seesaw.seesaw_takes, on gluon_decode's otherwise
+# variants.seesaw_takes, on gluon_decode's otherwise
 MIXED_VARIANTS: tuple[str, ...] = ("mixed-tail",)
 
 
@@ -75,19 +70,19 @@ def kernel_params(overrides: dict) -> tuple[dict, bool]:
     return {k: v for k, v in overrides.items() if k != "tail_split"}, bool(overrides.get("tail_split"))
 
 
-def tail_split_call(launch, cfg: td.Config, q, kv, slots, counts, out, lse, ws):
+def tail_split_call(launch, cfg: planning.Config, q, kv, slots, counts, out, lse, ws):
     """A call running choose_plan's tail-split plan for this batch through `launch` (a kernel module's launch with
     its params bound: launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, ws, splits))."""
     rows, heads, width = q.shape[0], q.shape[1], slots.shape[1]
-    plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(q.device))
+    plan = planning.choose_plan(rows, heads, width, cfg, kcommon.num_sms(q.device))
     if ws is None or (plan[1] > 1 and (rows - plan[0]) * plan[1] * heads > ws.capacity):
-        ws = td.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg)
-    return lambda: td.run_plan(launch, plan, q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws)
+        ws = kcommon.make_workspace(q.device, heads=heads, max_rows=rows, widths=(width,), config=cfg)
+    return lambda: kcommon.run_plan(launch, plan, q, kv, slots, counts, out, lse, SSCALE, OSCALE, ws)
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
     if name == "triton":
-        cfg = td.default_config(HEADS, "fp8")
+        cfg = planning.default_config(HEADS, "fp8")
         return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     if name in MIXED_VARIANTS:
@@ -126,22 +121,22 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     lses = [torch.empty((rows, heads), device=dev) for _ in range(sets)]
     need = rows * splits * heads
-    ws = td.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=td.PARTIAL_DTYPE, device=dev),
+    ws = kcommon.Workspace(part_out=torch.empty(need * LATENT_DIM, dtype=kcommon.PARTIAL_DTYPE, device=dev),
                       part_lse=torch.empty(need, device=dev),
                       dummy_lse=torch.empty(rows * heads, device=dev), capacity=need, max_rows=rows, heads=heads)
     us = cuda_graph_time_us([make_call(qs[i], ss[i], cs, outs[i], lses[i], ws) for i in range(sets)])
     return us, ws, outs, lses, sets
 
 
-def _time(name: str, rows: int, splits: int, kv, cfg: td.Config, dev, g):
+def _time(name: str, rows: int, splits: int, kv, cfg: planning.Config, dev, g):
     """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
                         rows, HEADS, splits, row_bytes("fp8"), dev, g)
 
 
-def _config(name: str) -> td.Config:
+def _config(name: str) -> planning.Config:
     if name == "triton":
-        return td.default_config(HEADS, "fp8")
+        return planning.default_config(HEADS, "fp8")
     if name in MIXED_VARIANTS:
         return SeesawParams().config()
     if name in SEESAW_VARIANTS:
@@ -208,7 +203,7 @@ def main() -> None:
             continue
         cfg = _config(name)
         for rows in rows_list:
-            splits = td.choose_splits(rows, HEADS, K, cfg, sms)
+            splits = planning.choose_splits(rows, HEADS, K, cfg, sms)
             try:
                 us, ws, outs, lses, sets = _time(name, rows, splits, kv, cfg, dev, g)
             except Exception as e:  # noqa: BLE001
@@ -220,14 +215,14 @@ def main() -> None:
             if name == "gluon" and splits > 1:
                 # the split combine alone (its share of the small-batch time): rows x H x splits fp32 partials
                 rec["times"][rows]["combine_us"] = cuda_graph_time_us(
-                    [lambda i=i: td.combine(ws, outs[i], lses[i], splits, OSCALE) for i in range(sets)])
+                    [lambda i=i: kcommon.combine(ws, outs[i], lses[i], splits, OSCALE) for i in range(sets)])
                 print(f"{'':20s} the combine alone: {rec['times'][rows]['combine_us']:.1f} us", flush=True)
             print(f"{name:20s} rows {rows:4d}: {us:8.1f} us  splits {splits}  {flops / us / 1e6:6.1f} TF/s", flush=True)
     for probe_name in a.probe.split(","):
         probe = []
         for item in filter(None, a.splits.split(";")):
             rows_s, counts_s = item.split(":")
-            picked = td.choose_splits(int(rows_s), HEADS, K, _config(probe_name), sms)
+            picked = planning.choose_splits(int(rows_s), HEADS, K, _config(probe_name), sms)
             for sp in (int(c) for c in counts_s.split(",")):
                 us = _time(probe_name, int(rows_s), sp, kv, _config(probe_name), dev, g)[0]
                 probe.append(dict(kernel=probe_name, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lead plans (triton_decode.choose_lead) by hand: one launch of a Gluon kernel at given (splits, lead_tiles) against
+"""Lead plans (planning.choose_lead) by hand: one launch of a Gluon kernel at given (splits, lead_tiles) against
 the plan the model picks, on the same rotated inputs (bench_gluon.time_rotated, CUDA graphs). H200 only.
 
     python3 benchmarks/bench_lead.py --out DIR --heads 128 --rows 46,48 --forms 2:0,2:25,2:26,2:27,2:28
@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_gluon as bg  # noqa: E402
 from vllm_kimi_dsa.formats import quantize_rows, row_bytes  # noqa: E402
-from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
+from vllm_kimi_dsa import planning  # noqa: E402
 
 K = 2048
 SMS = 132
@@ -55,7 +55,7 @@ def main() -> None:
     forms = [tuple(int(x) for x in f.split(":")) for f in a.forms.split(",")]
     results = []
     for rows in (int(r) for r in a.rows.split(",")):
-        plan, lead = td.choose_plan(rows, a.heads, K, cfg, SMS), td.choose_lead(rows, a.heads, K, cfg, SMS)
+        plan, lead = planning.choose_plan(rows, a.heads, K, cfg, SMS), planning.choose_lead(rows, a.heads, K, cfg, SMS)
         picked = [] if plan[0] else [(plan[1], lead)]  # the model's one-launch plan (a two-launch one: not here)
         line = []
         for splits, lead_tiles in picked + forms:

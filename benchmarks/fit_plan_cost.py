@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Fit the few-heads plan model's factors (gluon_few_heads.TWO_CTA_TILE_COST, SPLIT_TILES) to measured times.
+"""Fit the few-heads plan model's factors (planning.configs.TWO_CTA_TILE_COST, FEW_SPLIT_TILES) to measured times.
 
-TritonDecode picks one or two CTAs an SM for each few-heads fp8 batch by triton_decode.plan_cost (NOTES v15). This
+TritonDecode picks one or two CTAs an SM for each few-heads fp8 batch by planning.plan_cost (NOTES v15). This
 reads bench_few_heads JSON with both forms timed at the same (heads, rows) -- by default few-tail-regv (one CTA an
 SM, reg_v_params()) and few-tail-regv-2cta-early (reg_v_params(2)) -- and scores a grid of factors by what their
 picks cost: the µs lost over all points (the picked form's time minus the faster one's) and the mispick count.
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
-from vllm_kimi_dsa.kernels.triton_decode import plan_cost  # noqa: E402
+from vllm_kimi_dsa.planning import configs, plan_cost  # noqa: E402
 
 SMS = 132  # the H200's
 WIDTH = 2048
@@ -90,7 +90,7 @@ def main() -> None:
     pairs = measured_pairs(a.json, a.one, a.two)
     if not pairs:
         raise SystemExit(f"no (heads, rows) with both {a.one} and {a.two} timed in {a.json}")
-    current = (dict(fh.TWO_CTA_TILE_COST), fh.SPLIT_TILES)
+    current = (dict(configs.TWO_CTA_TILE_COST), configs.FEW_SPLIT_TILES)
     cur_lost, cur_wrong = score(pairs, picks(pairs, *current), a.tie)
     print(f"{len(pairs)} points; current TWO_CTA_TILE_COST {current[0]} SPLIT_TILES {current[1]}: "
           f"{cur_lost:.1f} µs lost, {cur_wrong} mispicks")

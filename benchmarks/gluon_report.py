@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-# the split partials' pointer type TritonDecode's workspace gives the kernels (triton_decode.PARTIAL_DTYPE)
+# the split partials' pointer type TritonDecode's workspace gives the kernels (kernels.common.PARTIAL_DTYPE)
 _PARTIAL_SIG = "*fp16"
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIGNATURE = dict(

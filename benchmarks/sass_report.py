@@ -76,24 +76,24 @@ def summarize(kernel) -> dict[str, object]:
 
 SIGNATURE = dict(
     q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
-    part_out_ptr="*fp16", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32", lead_tiles="i32",  # fp16: td.PARTIAL_DTYPE
+    part_out_ptr="*fp16", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32", lead_tiles="i32",  # fp16: kernels.common.PARTIAL_DTYPE
     stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
 
 
 def compile_config(fmt: str, cfg):
-    """The decode kernel a `triton_decode.Config` launches, compiled for SM90."""
+    """The decode kernel a `planning.Config` launches, compiled for SM90."""
     from vllm_kimi_dsa.kernels import triton_decode as td
 
     sig = dict(SIGNATURE, kv_ptr="*u8" if fmt != "fp8" else "*fp8e4nv")
     consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch,
                   LAZY=cfg.lazy, SWAP=cfg.swap, PTX=True)
-    return compile_kernel(td._decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
+    return compile_kernel(td.decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
 
 
 def main() -> None:
-    from vllm_kimi_dsa.kernels.triton_decode import default_config
+    from vllm_kimi_dsa.planning import default_config
 
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each kernel's SASS and PTX here")

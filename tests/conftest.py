@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 # the Gluon kernels' GPU tests: skipped, with the reason, where Gluon cannot run (CPU CI, other GPUs, other Triton)

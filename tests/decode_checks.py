@@ -10,9 +10,9 @@ import math
 import torch
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
-from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.kernels.triton_decode import default_config
+from vllm_kimi_dsa.planning import default_config
 from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.kernels import common as kcommon
 from conftest import ALL_DIMS, fp8_wgmma, wgmma_logit_bound
 
 GPU = torch.cuda.is_available()
@@ -30,9 +30,9 @@ OUT_REL = BF16_REL + 2.0**-12  # of |ref|: the bf16 rounding, plus slack for fp3
 P_ERR = 2.0**-10  # of max_j |v_j| * output_scale (the fp16 P bound doubled for the split combine)
 NORM_REL = BF16_REL + 2.0**-10  # ||out - ref|| / ||ref|| per (row, head): worst-case rounding + P
 # The split partials' rounding, of max_j |v_j| * output_scale: each partial is a convex mix of the v_j (and so is the
-# combine's sum of them), stored in triton_decode.PARTIAL_DTYPE (fp16: 2^-11 relative; fp32: nothing at this scale)
+# combine's sum of them), stored in kcommon.PARTIAL_DTYPE (fp16: 2^-11 relative; fp32: nothing at this scale)
 PARTIAL_ERR = {torch.float16: 2.0**-11, torch.float32: 0.0}
-SHIPPED_PARTIAL_ERR = PARTIAL_ERR[triton_decode.PARTIAL_DTYPE]
+SHIPPED_PARTIAL_ERR = PARTIAL_ERR[kcommon.PARTIAL_DTYPE]
 LSE_ATOL = 2e-4  # mma.sync / interpreter paths (H <= 32): fp32 accumulation, ~1e-5 seen
 # fp8 Q.K on Hopper's wgmma (64-head tiles, the transposed kernel) sums with ~14 bits: the bound is
 # conftest.wgmma_logit_bound, per row, applied to the LSE and (times 2 max|v|) to the output.

@@ -27,6 +27,8 @@ import plot  # noqa: E402
 
 from vllm_kimi_dsa.formats import unpack_nvfp4  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa import planning  # noqa: E402
+from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 
 CEIL = {"copy_GBps": 4000.0, "bf16_TFLOPs": 800.0, "fp8_TFLOPs": 1600.0}
 
@@ -232,11 +234,10 @@ def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
     that cover every row once (a recording launch on CPU tensors; the interpreter's 4 'SMs')."""
     import bench_gluon as bg
 
-    from vllm_kimi_dsa.kernels import triton_decode as td
 
-    cfg = td.Config(block_h=16, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=2.0)
+    cfg = planning.Config(block_h=16, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=2.0)
     rows, heads, width = 5, 16, 2048  # 4 whole rows (one wave), then one row split 4 ways
-    plan = td.choose_plan(rows, heads, width, cfg, td.num_sms(torch.device("cpu")))
+    plan = planning.choose_plan(rows, heads, width, cfg, kcommon.num_sms(torch.device("cpu")))
     assert plan == (4, 4), plan
     q = torch.zeros(rows, heads, 576)
     slots = torch.zeros(rows, width, dtype=torch.int32)
@@ -260,11 +261,10 @@ def test_tl_tail_variant_matches_the_reference(name: str) -> None:
     import bench_few_heads as bfh
 
     from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
-    from vllm_kimi_dsa.kernels import triton_decode as td
 
     g = torch.Generator().manual_seed(3)
     fmt, rows, heads, width = bfh._fmt(name), 10, 16, 256
-    assert td.choose_plan(rows, heads, width, bfh._config(name, heads), td.num_sms(torch.device("cpu"))) == (8, 4)
+    assert planning.choose_plan(rows, heads, width, bfh._config(name, heads), kcommon.num_sms(torch.device("cpu"))) == (8, 4)
     kv = quantize_rows(torch.randn(300, 576, generator=g) * 8, fmt)
     q = (torch.randn(rows, heads, 576, generator=g) * 4).to(torch.float8_e4m3fn)
     slots = torch.randint(0, 300, (rows, width), generator=g, dtype=torch.int32)
@@ -338,13 +338,12 @@ def test_time_rotated_builds_each_set_once(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_sass_reports_compile_the_shipped_partial_dtype() -> None:
     """gluon_report / sass_report compile the kernels with the split partials' pointer type TritonDecode's workspace
-    passes (triton_decode.PARTIAL_DTYPE), so their SASS is the shipped epilogue's."""
+    passes (kernels.common.PARTIAL_DTYPE), so their SASS is the shipped epilogue's."""
     import gluon_report
     import sass_report
 
-    from vllm_kimi_dsa.kernels import triton_decode
 
-    want = {torch.float16: "*fp16", torch.float32: "*fp32"}[triton_decode.PARTIAL_DTYPE]
+    want = {torch.float16: "*fp16", torch.float32: "*fp32"}[kcommon.PARTIAL_DTYPE]
     assert gluon_report._PARTIAL_SIG == want
     assert sass_report.SIGNATURE["part_out_ptr"] == want
 

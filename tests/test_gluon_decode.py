@@ -19,9 +19,12 @@ import torch
 from conftest import GLUON_GPU
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
 from vllm_kimi_dsa.kernels import gluon_decode, gluon_seesaw, triton_decode
-from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_config, gluon_sparse_mla_decode
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_sparse_mla_decode
+from vllm_kimi_dsa.planning import gluon_config
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa import planning
+from vllm_kimi_dsa.kernels import common as kcommon
 from test_triton_decode import _check as triton_check
 
 GPU = GLUON_GPU
@@ -177,7 +180,7 @@ def test_cuda_graph_replay(splits: int, kernel: str) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, heads, width = 7, 128, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
+    ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt="fp8",
                                       config=gluon_config())
     out, lse = _poisoned(rows, heads)
 
@@ -209,19 +212,19 @@ def replay_on_new_inputs(call, inputs, new_inputs, out, lse) -> None:
     torch.cuda.synchronize()
 
 
-def run_tail_split_plan(launch, cfg: triton_decode.Config, rows: int, heads: int, seed: int, fmt: str = "fp8"):
+def run_tail_split_plan(launch, cfg: planning.Config, rows: int, heads: int, seed: int, fmt: str = "fp8"):
     """Inputs of `rows` rows (count-0 rows on both sides of the seam) through choose_plan's tail-split plan for cfg,
     by `launch` (a kernel module's launch with its params bound); returns (out, lse, q, kv, slots, counts, ss, os_)."""
     width = 2048
-    plan = triton_decode.choose_plan(rows, heads, width, cfg, triton_decode.num_sms(DEVICE))
+    plan = planning.choose_plan(rows, heads, width, cfg, kcommon.num_sms(DEVICE))
     whole, splits = plan
     assert 0 < whole < rows and splits > 1, plan
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=seed, fmt=fmt)
     counts[whole - 1] = 0
     counts[whole] = 0
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
+    ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg)
     out, lse = _poisoned(rows, heads)
-    triton_decode.run_plan(launch, plan, q, kv, slots, counts, out, lse, ss, os_, ws)
+    kcommon.run_plan(launch, plan, q, kv, slots, counts, out, lse, ss, os_, ws)
     torch.cuda.synchronize()
     return out, lse, q, kv, slots, counts, ss, os_
 

@@ -23,14 +23,10 @@ from conftest import GLUON_GPU, ROPE_DIMS
 from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.kernels.gluon_few_heads import (
-    FewHeadsParams,
-    few_heads_config,
-    few_heads_sparse_mla_decode,
-    nvfp4_params,
-    reg_v_params,
-)
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode, nvfp4_params, reg_v_params
+from vllm_kimi_dsa.planning import few_heads_config
 from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.kernels import common as kcommon
 
 GPU = GLUON_GPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +202,7 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int)
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
+    ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
                                       config=few_heads_config())
     out, lse = _poisoned(rows, heads)
     params = _params(fmt, reg_v)
@@ -252,7 +248,7 @@ def test_kernel_class_runs_reg_v(heads: int, monkeypatch: pytest.MonkeyPatch) ->
     """TritonDecode (fp8, few heads): every batch on reg_v (where verified), one or two CTAs an SM by plan cost; all
     match the reference, one workspace for all."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
-    from vllm_kimi_dsa.kernels.triton_decode import TritonDecode
+    from vllm_kimi_dsa.backends.hopper import TritonDecode
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
     width = 1024

@@ -1,8 +1,8 @@
 """GPU tests of the split partials (PARTIAL_DTYPE, fp16) through every Gluon decode kernel.
 
 Each kernel writes its split partial in fp16: the 64-head kernel from its wgmma accumulator through
-gluon_decode.wgmma_store_layout, the seesaw kernel and reg_v (one or two
-CTAs an SM) through gluon_decode.latent_store_layout, nvfp4 with a plain cast (its O^T halves hold even / odd dims).
+glcommon.wgmma_store_layout, the seesaw kernel and reg_v (one or two
+CTAs an SM) through glcommon.latent_store_layout, nvfp4 with a plain cast (its O^T halves hold even / odd dims).
 Inputs are test_gluon_decode's (holes, junk past counts, a count-0 row, a 1-token row, an all-holes row); outputs
 and the scratch are poisoned with NaN first, so an entry a kernel leaves unwritten fails. Tolerance: the kernel's
 own check plus the partials' rounding (test_triton_decode.PARTIAL_ERR: 2^-11 of max |v| * output_scale for fp16).
@@ -19,18 +19,12 @@ from conftest import GLUON_GPU, ROPE_DIMS
 from test_gluon_decode import _case, _poisoned
 from test_triton_decode import PARTIAL_ERR
 from test_triton_decode import _check as triton_check
-from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.kernels.gluon_decode import (
-    gluon_config,
-    gluon_sparse_mla_decode,
-)
-from vllm_kimi_dsa.kernels.gluon_few_heads import (
-    few_heads_config,
-    few_heads_sparse_mla_decode,
-    nvfp4_params,
-    reg_v_params,
-)
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
+from vllm_kimi_dsa.planning import gluon_config
+from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_sparse_mla_decode, nvfp4_params, reg_v_params
+from vllm_kimi_dsa.planning import few_heads_config
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
+from vllm_kimi_dsa.kernels import common as kcommon
 
 GPU = GLUON_GPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,12 +53,12 @@ def _id(c) -> str:
 @GPU
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_partials_match_reference(case) -> None:
-    dtype = triton_decode.PARTIAL_DTYPE
+    dtype = kcommon.PARTIAL_DTYPE
     kernel, params, rows, heads, width, splits = case
     fmt = "nvfp4_ds_mla" if kernel == "nvfp4" else "fp8"
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=rows * 7 + heads + splits, fmt=fmt)
     config = gluon_config() if kernel in ("gluon", "seesaw") else params.config(heads)
-    ws = triton_decode.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=config,
+    ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=config,
                                       min_entries=rows * splits * heads)
     ws.part_out.fill_(float("nan"))
     out, lse = _poisoned(rows, heads)

@@ -21,10 +21,11 @@ import torch
 
 from conftest import GLUON_GPU
 from test_gluon_decode import _case, _check, _poisoned, assert_agree
-from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
+from vllm_kimi_dsa.backends import hopper
 
 GPU = GLUON_GPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,16 +123,16 @@ def test_kernel_class_runs_seesaw_on_whole_long_rows(monkeypatch: pytest.MonkeyP
     on 132 SMs; all match the reference, one workspace for all."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
-    from vllm_kimi_dsa.kernels.gluon_seesaw import seesaw_verified
+    from vllm_kimi_dsa.backends.hopper import verified
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
-    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)  # the H200's plans on any Hopper part
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)  # the H200's plans on any Hopper part
     rows_list, width, heads = (5, 64, 80), 2048, 128
     q, kv, slots, counts, ss, os_ = _case(max(rows_list), heads, width, seed=61)
     setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=rows_list, capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
-    k = triton_decode.TritonDecode(setup)
-    if k.gluon is None or not seesaw_verified():
+    k = hopper.TritonDecode(setup)
+    if k.gluon is None or not verified("seesaw"):
         pytest.skip("the Gluon kernels or the seesaw kernel are not verified on this Triton")
     kinds = {r: tuple(type(p) for p in k.plan_params[r, width]) for r in rows_list}
     assert kinds == {5: (SeesawParams, SeesawParams), 64: (SeesawParams, SeesawParams),

@@ -15,15 +15,22 @@ import torch
 
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import gluon_decode
-from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_available, gluon_config, gluon_verified
-from vllm_kimi_dsa.kernels.gluon_few_heads import (FewHeadsParams, few_heads_verified, nvfp4_params,
-                                                   reg_v_params, reg_v_verified)
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_takes, seesaw_verified
-from vllm_kimi_dsa.kernels.triton_decode import TritonDecode, choose_splits, default_config, plan_cost
+from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available
+from vllm_kimi_dsa.planning import gluon_config
+from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, nvfp4_params, reg_v_params
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams
+from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes
+from vllm_kimi_dsa.backends.hopper import TritonDecode
+from vllm_kimi_dsa.planning import choose_splits, default_config, plan_cost
+from vllm_kimi_dsa.backends.hopper import variants
+from vllm_kimi_dsa import planning
+from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
+from vllm_kimi_dsa.kernels.common import gluon as glcommon
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HOPPER = gluon_available(DEVICE)
-AUTO = HOPPER and gluon_verified()  # picked without being asked for
+AUTO = HOPPER and variants.verified("gluon64")  # picked without being asked for
 
 
 def _setup(fmt: str, heads: int) -> DecodeSetup:
@@ -68,7 +75,7 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)  # the choice without being asked (the env forces it)
     k = TritonDecode(_setup(fmt, heads))
     if heads <= 32:
-        want = HOPPER and few_heads_verified(fmt, heads)
+        want = HOPPER and variants.verified(("few-fp8" if fmt == "fp8" else "few-nvfp4") + ("-multi" if heads > 16 else ""))
     else:
         want = fmt == "fp8" and AUTO
     assert (k.gluon is not None) == want
@@ -80,13 +87,13 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and k.gluon.reg_v == (fmt == "fp8")
     if heads > 32:  # fp8: the seesaw kernel for launches of whole long rows, on the same tiles and plans
-        assert k.gluon_large == ((SeesawParams(),) if want and seesaw_verified() else ())
+        assert k.gluon_large == ((SeesawParams(),) if want and variants.verified("seesaw") else ())
         assert all(p.config(heads) == k.config for p in k.gluon_large)
         if not k.gluon_large:
             assert all(pair == (k.gluon, k.gluon) for pair in k.plan_params.values())
         return
     # fp8 few heads: every batch on reg_v, at one or two CTAs an SM, with the same tile shape
-    assert bool(k.gluon_large) == (want and fmt == "fp8" and reg_v_verified())
+    assert bool(k.gluon_large) == (want and fmt == "fp8")
     assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
     for p in k.gluon_large:
         assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
@@ -191,18 +198,17 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
     SMs, runs a one-launch plan (split or not) and each unsplit launch of rows of >= SEESAW_MIN_TILES tiles on the
     seesaw kernel and a split tail after whole rows on gluon_decode's kernel; the plans are the 64-head kernel's
     either way."""
-    from vllm_kimi_dsa.kernels import triton_decode
 
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
-    monkeypatch.setattr(gluon_decode, "gluon_available", lambda device=None: True)
-    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
     setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=128, row_counts=(320,), capacities=(), widths=(512, 1024, 2048),
                         return_lse=True, softmax_scale=0.04, output_scale=1.0)
     k = TritonDecode(setup)
     assert isinstance(k.gluon, GluonParams) and k.gluon_large == (SeesawParams(),)
     for (rows, width), (first, tail) in k.plan_params.items():
         whole, splits = k._plans[rows, width]
-        assert (whole, splits) == triton_decode.choose_plan(rows, 128, width, gluon_config(), 132)
+        assert (whole, splits) == planning.choose_plan(rows, 128, width, gluon_config(), 132)
         assert isinstance(first, SeesawParams) == seesaw_takes(width, 1 if whole else splits, alone=not whole)
         assert isinstance(first, SeesawParams)  # widths 512 .. 2048: 8 .. 32 tiles, all >= SEESAW_MIN_TILES
         assert tail is first if not whole else isinstance(tail, SeesawParams) == seesaw_takes(width, splits)
@@ -223,7 +229,7 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
 def test_run_plan_runs_split_rows_on_split_launch() -> None:
     """run_plan: a one-launch plan on launch; a tail-split plan's whole rows on launch (unsplit), the rest on
     split_launch, each on its row slice."""
-    from vllm_kimi_dsa.kernels.triton_decode import run_plan
+    from vllm_kimi_dsa.kernels.common import run_plan
 
     calls: list[tuple[str, int, int]] = []
 
@@ -253,21 +259,21 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
     h200-2026-12-03/few-heads-v1/few_heads_bench.json) and the bench beside it measured fastest: 16 at 5 rows
     (11.3 µs vs 14.2 at 8 and 15.6 at 32), 3 at 80 (53.0 vs 57.5 at 1, 67.0 at 2, 59.7 at 4), 2 at 320 (167.5 vs
     170.3 at 1 and 185.9 at 3)."""
-    from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_config
+    from vllm_kimi_dsa.planning import few_heads_config
 
     for heads in (16, 12):
         picks = {rows: choose_splits(rows, heads, 2048, few_heads_config(), 132) for rows in (5, 80, 320)}
         assert picks == {5: 16, 80: 3, 320: 2}, picks
 
 
-@pytest.mark.skipif(gluon_decode.gl is None, reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+@pytest.mark.skipif(glcommon.gl is None, reason=glcommon.gluon_unavailable_reason() or "Gluon unavailable")
 @pytest.mark.parametrize("which", ["gluon", "seesaw", "few", "few-nvfp4", "few-32"])
 def test_launchers_pass_every_kernel_argument(which: str) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
     constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
     from vllm_kimi_dsa.formats import LATENT_DIM
     from vllm_kimi_dsa.kernels import gluon_few_heads
-    from vllm_kimi_dsa.kernels.triton_decode import make_workspace
+    from vllm_kimi_dsa.kernels.common import make_workspace
 
     seen: dict = {}
 
@@ -309,11 +315,8 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
     assert consts == set(names[len(seen["args"]):])
 
 
-def test_few_heads_verified_shapes() -> None:
-    """Every shape (both formats, <= 16 and 17..32 heads) passed its GPU tests on the H200 with Triton 3.6 and 3.8
-    (results/h200-2026-12-03/few-heads-v6, triton38); no other version is listed."""
-    from vllm_kimi_dsa.kernels.gluon_few_heads import VERIFIED_TRITON
-
-    assert set(VERIFIED_TRITON) == {(f, multi) for f in ("fp8", "nvfp4_ds_mla") for multi in (False, True)}
-    assert all(v == ("3.6", "3.8") for v in VERIFIED_TRITON.values())
-    assert gluon_decode.VERIFIED_TRITON == ("3.6", "3.8")
+def test_verified_variants() -> None:
+    """Every Gluon variant passed its GPU tests on the H200 with Triton 3.6 and 3.8; no other version is listed."""
+    assert set(variants.VERIFIED_TRITON) == {"gluon64", "seesaw", "few-fp8", "few-fp8-multi", "few-nvfp4",
+                                             "few-nvfp4-multi", "pv_early"}
+    assert all(v == ("3.6", "3.8") for v in variants.VERIFIED_TRITON.values())

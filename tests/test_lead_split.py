@@ -1,4 +1,4 @@
-"""Uneven one-launch splits ("lead" plans, triton_decode.choose_lead): the model, the binding, and every kernel's
+"""Uneven one-launch splits ("lead" plans, planning.choose_lead): the model, the binding, and every kernel's
 split ranges against the float32 reference.
 
 A lead plan splits each row of a one-launch plan into a first piece of `lead_tiles` tiles and num_splits - 1 even
@@ -21,17 +21,15 @@ import torch
 from conftest import GLUON_GPU
 from test_triton_decode import DEVICE, _case, _check
 from vllm_kimi_dsa.formats import LATENT_DIM
-from vllm_kimi_dsa.kernels import triton_decode as td
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.kernels.gluon_decode import gluon_config, gluon_sparse_mla_decode
+from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
+from vllm_kimi_dsa.planning import gluon_config
 from vllm_kimi_dsa.kernels.gluon_few_heads import reg_v_params
-from vllm_kimi_dsa.kernels.triton_decode import (
-    TritonDecode,
-    _lead_makespan,
-    choose_lead,
-    choose_plan,
-    plan_cost,
-)
+from vllm_kimi_dsa.backends.hopper import TritonDecode
+from vllm_kimi_dsa.planning.cost import lead_makespan as _lead_makespan
+from vllm_kimi_dsa.planning import choose_lead, choose_plan, plan_cost
+from vllm_kimi_dsa import planning
+from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
 
 SMS = 132  # the H200's
 
@@ -158,8 +156,8 @@ def test_kernel_class_binds_each_plans_lead(monkeypatch: pytest.MonkeyPatch) -> 
         return launch
 
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
-    monkeypatch.setattr(gluon_decode, "gluon_available", lambda device=None: True)
-    monkeypatch.setattr(td, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: SMS)
     for mod, name in ((gluon_decode, "gluon"), (gluon_seesaw, "seesaw"), (gluon_few_heads, "few")):
         monkeypatch.setattr(mod, "launch", stub(name))
     for heads, rows_list in ((128, (5, 40, 64, 80)), (16, (8, 160, 180, 200))):
@@ -217,5 +215,5 @@ def test_gluon_kernels_lead_splits_match_reference(kind, rows, heads, width, spl
     else:
         fh.few_heads_sparse_mla_decode(q, kv, slots, counts, params=fh.reg_v_params(2 if kind == "few2" else 1), **kw)
     torch.cuda.synchronize()
-    config = gluon_config() if kind in ("seesaw", "gluon") else fh.few_heads_config()
+    config = gluon_config() if kind in ("seesaw", "gluon") else planning.few_heads_config()
     _check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=config, wgmma=True)

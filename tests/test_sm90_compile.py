@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kimi_dsa.kernels import gluon_decode
+from vllm_kimi_dsa.kernels.common import gluon as glcommon
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +54,8 @@ print(json.dumps({key: s[key] for key in ("wgmma_serialized", "wgmma_injected", 
 
 
 # the Gluon compile checks: Gluon imports and Triton is a version its kernels are written for
-_NEEDS_GLUON = pytest.mark.skipif(gluon_decode.gl is None or not gluon_decode._triton_version_supported(),
-                                  reason=gluon_decode.gluon_unavailable_reason() or "Gluon unavailable")
+_NEEDS_GLUON = pytest.mark.skipif(glcommon.gl is None or not glcommon.triton_version_supported(),
+                                  reason=glcommon.gluon_unavailable_reason() or "Gluon unavailable")
 
 
 @_NEEDS_GLUON
@@ -139,17 +139,17 @@ def _sectors_written_in_part(reg_bases, lane_bases, elem_bytes: int) -> bool:
 @pytest.mark.parametrize("dims,heads,thread_dims,elem_bytes", [(256, 64, 8, 4), (256, 64, 8, 2), (512, 16, 16, 4),
                                                                (512, 16, 16, 2)])
 def test_latent_store_layout_writes_whole_sectors(dims: int, heads: int, thread_dims: int, elem_bytes: int) -> None:
-    """The seesaw and reg_v epilogues store O (bf16 out, fp32 split partials) from gluon_decode.latent_store_layout:
+    """The seesaw and reg_v epilogues store O (bf16 out, fp16 split partials) from common.gluon.latent_store_layout:
     each instruction must write whole 32-byte sectors (the half-sector form cost the seesaw kernel's split launches
     4-5 µs and the two-CTA few-heads kernel 2.5-3.7 µs at 5-8 rows, NOTES v18), and the layout must keep each warp's
     dims (warp bases of the thread-native layout: shuffles, no shared memory). The thread-native layout itself (a
     thread's thread_dims contiguous dims) must fail the check wherever it is wider than 16 bytes."""
-    new = gluon_decode.latent_store_layout(dims, heads, thread_dims, elem_bytes)
+    new = glcommon.latent_store_layout(dims, heads, thread_dims, elem_bytes)
     assert sorted(map(tuple, new.reg_bases + new.lane_bases + new.warp_bases)) == sorted(
         [(1 << i, 0) for i in range(dims.bit_length() - 1)] + [(0, 1 << i) for i in range(heads.bit_length() - 1)])
     assert new.warp_bases == [[8 * thread_dims, 0], [16 * thread_dims, 0]]
     assert not _sectors_written_in_part(new.reg_bases, new.lane_bases, elem_bytes)
-    native = gluon_decode.latent_store_layout(dims, heads, thread_dims, 16 // thread_dims)  # vec = thread_dims
+    native = glcommon.latent_store_layout(dims, heads, thread_dims, 16 // thread_dims)  # vec = thread_dims
     assert _sectors_written_in_part(native.reg_bases, native.lane_bases, elem_bytes) == (thread_dims * elem_bytes > 16)
 
 
@@ -157,9 +157,9 @@ def test_latent_store_layout_writes_whole_sectors(dims: int, heads: int, thread_
 @pytest.mark.parametrize("dims_on_m", [False, True])
 def test_wgmma_store_layout_writes_whole_sectors(dims_on_m: bool) -> None:
     """fp16 split partials from a wgmma accumulator (the 64-head kernel's O, the few-heads kernel's O^T) go through
-    gluon_decode.wgmma_store_layout: whole 32-byte sectors an instruction, each warp keeping the accumulator's rows;
+    glcommon.wgmma_store_layout: whole 32-byte sectors an instruction, each warp keeping the accumulator's rows;
     the accumulator's own layout (2 or 1 fp16 a lane along the dims) fails the check."""
-    new = gluon_decode.wgmma_store_layout(dims_on_m)
+    new = glcommon.wgmma_store_layout(dims_on_m)
     dims, heads = new.shape
     if dims_on_m:  # [256 dims (M), 16 heads (N)]: instr m16, 4 warps, 4 repetitions of 64 rows
         acc_reg, acc_lane, warp = ([[0, 1], [8, 0], [0, 8], [64, 0], [128, 0]],
@@ -178,11 +178,11 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_kimi_dsa.kernels import triton_decode as td
+from vllm_kimi_dsa.kernels import common as kcommon
 out = {}
-for fn, pieces, extra in ((td._combine_kernel, "SPLITS", dict(num_splits="i32")),):
-    for dtype in (td.PARTIAL_DTYPE,):
-        ws = td.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
+for fn, pieces, extra in ((kcommon.combine_kernel, "SPLITS", dict(num_splits="i32")),):
+    for dtype in (kcommon.PARTIAL_DTYPE,):
+        ws = kcommon.Workspace(part_out=torch.empty(512, dtype=dtype), part_lse=torch.empty(1), dummy_lse=torch.empty(1),
                           capacity=1, max_rows=1, heads=1)
         name = "fp16" if dtype == torch.float16 else "fp32"
         sig = dict(part_out_ptr="*" + name, part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", H="i32",
@@ -192,7 +192,7 @@ for fn, pieces, extra in ((td._combine_kernel, "SPLITS", dict(num_splits="i32"))
                  for n in ("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr", "stride_o_row", "stride_o_head")}
         for splits in (2, 8, 32):
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={pieces: splits, "D": 512}, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": td.combine_warps(ws)})
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": kcommon.combine_warps(ws)})
             out[f"{fn.__name__}-{name}-{splits}"] = {"shared": k.metadata.shared,
                                                      "ld_v4": k.asm["ptx"].count("ld.global.v4")}
 print(json.dumps(out))
@@ -200,14 +200,14 @@ print(json.dumps(out))
 
 
 def test_combine_keeps_the_split_sum_in_each_thread() -> None:
-    """The combine at triton_decode.combine_warps: for fp16 partials and 2 / 8 / 32 splits, no shared memory (each thread holds the same dims of every split, so the sum down
+    """The combine at common.combine_warps: for fp16 partials and 2 / 8 / 32 splits, no shared memory (each thread holds the same dims of every split, so the sum down
     the splits never leaves it; with 4 warps on fp16 partials Triton spread the splits over 2 warps: 2-4x the time,
     NOTES v19) and 16-byte partial loads."""
     r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=_compile_env(),
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == {f"_combine_kernel-fp16-{s}" for s in (2, 8, 32)}
+    assert set(res) == {f"combine_kernel-fp16-{s}" for s in (2, 8, 32)}
     for key, v in res.items():
         assert v["shared"] == 0, f"{key}: the combine went through shared memory ({v})"
         assert v["ld_v4"] >= int(key.split("-")[2]), f"{key}: partial loads narrower than 16 bytes ({v})"

@@ -16,16 +16,12 @@ from vllm_kimi_dsa import host_math
 from vllm_kimi_dsa.formats import E2M1_VALUES, LATENT_DIM
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.kernels.triton_decode import (
-    Config,
-    TritonDecode,
-    choose_plan,
-    choose_splits,
-    default_config,
-    make_workspace,
-    sparse_mla_decode,
-)
+from vllm_kimi_dsa.kernels.triton_decode import sparse_mla_decode
+from vllm_kimi_dsa.planning import Config, choose_plan, choose_splits, default_config
+from vllm_kimi_dsa.backends.hopper import TritonDecode
+from vllm_kimi_dsa.kernels.common import make_workspace
 from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.kernels import common as kcommon
 from conftest import fp8_wgmma_dims
 
 GPU = torch.cuda.is_available()
@@ -84,7 +80,7 @@ def test_tiny_splits_and_128_heads(fmt):
 def test_partial_dtype(heads):
     """Split partials in PARTIAL_DTYPE (fp16): every split writes its partial and the combine reads it back, within
     that dtype's rounding. The scratch is poisoned with NaN first, so an entry the kernel did not write fails."""
-    dtype = triton_decode.PARTIAL_DTYPE
+    dtype = kcommon.PARTIAL_DTYPE
     q, kv, slots, counts, ss, os_ = _case(3, heads, 256, "fp8", seed=31 + heads)
     ws = make_workspace(DEVICE, heads=heads, max_rows=3, widths=(256,), fmt="fp8", min_entries=3 * 3 * heads)
     assert ws.part_out.dtype == dtype == torch.float16
@@ -124,9 +120,9 @@ def test_explicit_splits_are_honoured(monkeypatch):
     runs them all (the combine sees that many), correct against the reference."""
     q, kv, slots, counts, ss, os_ = _case(3, 16, 256, "fp8", seed=21)
     cfg = default_config(16, "fp8")
-    asked = choose_splits(3, 16, 256, cfg, triton_decode.num_sms(q.device)) + 2
+    asked = choose_splits(3, 16, 256, cfg, kcommon.num_sms(q.device)) + 2
     seen = []
-    real = triton_decode.combine
+    real = kcommon.combine
 
     def spy(ws, out, lse_t, splits, output_scale):
         seen.append((splits, ws.capacity))
@@ -171,7 +167,7 @@ def test_split_heuristic_fills_the_chip():
 
 
 def _gluon_like() -> Config:
-    """The split heuristic's view of the 64-head Gluon kernel (gluon_decode.gluon_config), without importing Gluon."""
+    """The split heuristic's view of the 64-head Gluon kernel (planning.gluon_config), without importing Gluon."""
     return Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8)
 
 
@@ -197,7 +193,7 @@ def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
     This file's kernel on a GPU too (VLLM_KIMI_DSA_GLUON=0): the Gluon kernels' plans are test_gluon_*'s."""
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
     base = default_config(16, fmt)
-    slots_per_wave = triton_decode.num_sms(DEVICE) * base.ctas_per_sm
+    slots_per_wave = kcommon.num_sms(DEVICE) * base.ctas_per_sm
     rows, width = slots_per_wave + 3, 256
     setup = DecodeSetup(
         device=DEVICE, fmt=fmt, heads=16, row_counts=(rows,), capacities=(), widths=(width,),

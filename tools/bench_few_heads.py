@@ -30,9 +30,11 @@ from vllm_kimi_dsa.bench import ceilings  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_decode import gluon_available, gluon_unavailable_reason  # noqa: E402
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa import planning  # noqa: E402
+from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20
@@ -54,9 +56,9 @@ def _params(name: str) -> fh.FewHeadsParams:
     return VARIANTS[name]()
 
 
-def _config(name: str, heads: int) -> td.Config:
+def _config(name: str, heads: int) -> planning.Config:
     if name.startswith("triton"):
-        return td.default_config(heads, _fmt(name))
+        return planning.default_config(heads, _fmt(name))
     return _params(name).config(heads)
 
 
@@ -82,18 +84,18 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits: int | None = 
     if splits is not None:
         launch = _launch(name, heads)
         return lambda: launch(q, kv, slots, counts, out, lse, ws, splits)
-    cfg, sms = _config(name, heads), td.num_sms(q.device)
+    cfg, sms = _config(name, heads), kcommon.num_sms(q.device)
     if name in ("triton", "triton-nvfp4"):
-        plan = (0, td.choose_splits(rows, heads, width, cfg, sms))
+        plan = (0, planning.choose_splits(rows, heads, width, cfg, sms))
     else:
-        plan = td.choose_plan(rows, heads, width, cfg, sms)
-    lead = 0 if name.startswith("triton") else td.choose_lead(rows, heads, width, cfg, sms)
+        plan = planning.choose_plan(rows, heads, width, cfg, sms)
+    lead = 0 if name.startswith("triton") else planning.choose_lead(rows, heads, width, cfg, sms)
     first, tail = _launch(name, heads, lead), _launch(name, heads)
-    return lambda: td.run_plan(first, plan, q, kv, slots, counts, out, lse, ws, split_launch=tail)
+    return lambda: kcommon.run_plan(first, plan, q, kv, slots, counts, out, lse, ws, split_launch=tail)
 
 
-def _workspace(name: str, heads: int, rows: int, dev, splits: int = 1) -> td.Workspace:
-    return td.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt=_fmt(name), config=_config(name, heads),
+def _workspace(name: str, heads: int, rows: int, dev, splits: int = 1) -> kcommon.Workspace:
+    return kcommon.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt=_fmt(name), config=_config(name, heads),
                              min_entries=rows * splits * heads)
 
 
@@ -173,7 +175,7 @@ def main() -> None:
             for rows in rows_list:
                 us = _time(name, heads, rows, kv, dev, g)
                 gbps = rows * K * row_bytes(fmt) / us / 1e3
-                plan = td.choose_plan(rows, heads, K, _config(name, heads), td.num_sms(dev))
+                plan = planning.choose_plan(rows, heads, K, _config(name, heads), kcommon.num_sms(dev))
                 rec["times"][rows] = dict(us=us, plan=plan, kv_GBps=gbps, copy_frac=gbps / ceil["copy_GBps"])
                 print(f"{key:28s} rows {rows:4d}: {us:8.1f} us  plan {plan}  {gbps:6.0f} GB/s  "
                       f"{gbps / ceil['copy_GBps']:.2f} of copy", flush=True)

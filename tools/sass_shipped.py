@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -221,12 +222,11 @@ def _kernel_of(spec: dict):
 
 def _kernels() -> dict:
     """name -> the jit fn (tl, combine) or (params class, jit fn, constexprs(params[, heads])) of each kernel."""
+    from vllm_kimi_dsa.kernels import gluon_decode as gluon64, gluon_few_heads as few, gluon_seesaw as seesaw
+    from vllm_kimi_dsa.kernels import triton_decode as decode_tl
     try:
-        from vllm_kimi_dsa.kernels import decode_tl, gluon64, gluon_few_heads as few, seesaw
-        from vllm_kimi_dsa.kernels.common import combine
+        combine = importlib.import_module("vllm_kimi_dsa.kernels.common.combine")
     except ImportError:
-        from vllm_kimi_dsa.kernels import gluon_decode as gluon64, gluon_few_heads as few, gluon_seesaw as seesaw
-        from vllm_kimi_dsa.kernels import triton_decode as decode_tl
         combine = decode_tl
     return {
         "tl": decode_tl._decode_kernel if hasattr(decode_tl, "_decode_kernel") else decode_tl.decode_kernel,

@@ -22,7 +22,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
-from vllm_kimi_dsa.kernels.triton_decode import Config, choose_splits, make_workspace, sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.triton_decode import sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.planning import Config, choose_splits  # noqa: E402
+from vllm_kimi_dsa.kernels.common import make_workspace  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
@@ -38,7 +40,7 @@ def C(bh, bn, w, st, pf=False, lazy=False, swap=False, cps=1):
                   swap=swap)
 
 
-# The plain kernel's shipped configs (triton_decode.default_config) first, then the tiles next to them. Where it
+# The plain kernel's shipped configs (planning.default_config) first, then the tiles next to them. Where it
 # still ships: nvfp4_ds_mla at > 32 heads, and everywhere the Gluon kernels do not run. Earlier rounds' candidates
 # and results: docs/history.md v3 / v4.
 FP8_128 = [C(64, 64, 8, 2), C(64, 64, 16, 2), C(64, 32, 16, 2)]
@@ -69,7 +71,7 @@ def profile(fmt, heads, ci, rows):
 
 def splits_probe(out_dir):
     """Default config, fp8, 128 and 12 heads, 1-20 rows: µs for each KV split count, beside choose_splits' pick."""
-    from vllm_kimi_dsa.kernels.triton_decode import default_config
+    from vllm_kimi_dsa.planning import default_config
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -113,7 +115,7 @@ def main():
     if a.splits:
         return splits_probe(a.out)
     if a.defaults:
-        from vllm_kimi_dsa.kernels.triton_decode import default_config
+        from vllm_kimi_dsa.planning import default_config
 
         CANDIDATES.clear()
         CANDIDATES.update({(f, h): [default_config(h, f)] for f in ("fp8", "nvfp4_ds_mla") for h in (128, 12)})

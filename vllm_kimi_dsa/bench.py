@@ -156,22 +156,22 @@ def scales(fmt: str) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def even_plans() -> Iterator[None]:
-    """Kernel objects built inside plan without lead plans (triton_decode.choose_lead): the A/B of --even."""
-    from vllm_kimi_dsa.kernels import triton_decode as td
+    """Kernel objects built inside plan without lead plans (planning.choose_lead): the A/B of --even."""
+    from vllm_kimi_dsa.planning import cost
 
-    saved = td._best_lead
-    td._best_lead = lambda *args: (1, 0, float("inf"))  # no uneven plan anywhere
-    td._plan_and_cost.cache_clear()
+    saved = cost.best_lead
+    cost.best_lead = lambda *args: (1, 0, float("inf"))  # no uneven plan anywhere
+    cost.plan_and_cost.cache_clear()
     try:
         yield
     finally:
-        td._best_lead = saved
-        td._plan_and_cost.cache_clear()
+        cost.best_lead = saved
+        cost.plan_and_cost.cache_clear()
 
 
 def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True) -> Callable[..., None]:
     from vllm_kimi_dsa.kernels.base import DecodeSetup
-    from vllm_kimi_dsa.kernels.triton_decode import TritonDecode
+    from vllm_kimi_dsa.backends.hopper import TritonDecode
 
     sm, osc = scales(fmt)
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),

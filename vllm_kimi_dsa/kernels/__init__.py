@@ -13,7 +13,7 @@ from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup
 _KERNEL_CLASSES: dict[str, str] = {
     "prims_ts": "vllm_kimi_dsa.backends.flashinfer.prims_ts:PrimsTsDecode",
     "trtllm": "vllm_kimi_dsa.backends.flashinfer.trtllm:TrtllmDecode",
-    "triton": "vllm_kimi_dsa.kernels.triton_decode:TritonDecode",
+    "triton": "vllm_kimi_dsa.backends.hopper.dispatch:TritonDecode",
 }
 
 

@@ -1,41 +1,8 @@
-"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a: wgmma): FP8 cache, > 32 heads in 64-head tiles.
+"""The 64-head warp-specialized Gluon decode for Hopper (sm_90a), FP8 rows: its kernel, params and launch.
 
-Computes what `triton_decode._decode_kernel` computes for NVFP4=False, SWAP=False, BLOCK_H=64 (same grid, same
-runtime arguments, same split scratch and `_combine_kernel`), but with producer and consumer warpgroups. Not for
-nvfp4 caches, <= 32 heads, or sm_100+ (no wgmma there): `gluon_available()` says whether this process can run it.
-
-Design (12 warps = 3 warpgroups a CTA, 1 CTA an SM; smem 36 KB Q + K_STAGES x BLOCK_N x 576 B K ring
-+ V_SLOTS x BLOCK_N / 2 KB V16, at most 227 KB):
-- Before the fork the default warpgroup stores Q (64 heads x 576 e4m3, padded heads 0) into NVMMA-swizzled shared
-  memory (latent and RoPE apart) and initializes the mbarriers.
-- WG2, the producer (56 registers via setmaxnreg): per tile it gathers the 576-byte rows of the BLOCK_N slots (loaded
-  a tile ahead) with cp.async (16-byte chunks, 8 lanes on 128 contiguous bytes of a row: conflict-free in the
-  swizzle, _ROW_LAYOUT; rows of holes / tokens past the split are zero-filled, so V is finite) into stage
-  it % K_STAGES of the K ring, and has every thread `cp.async.mbarrier.arrive.noinc` on k_ready[stage]. Then it
-  converts the previous tile's latent e4m3 -> fp16 (exact) from shared memory into the V16 ring, a half (BLOCK_N x
-  256 fp16, one consumer's columns) at a time: tile i's half h is use u = 2 i + h of slot u % V_SLOTS (3 slots: the
-  producer converts a half ahead of the consumers' P.V), fences for the async proxy and arrives on v_ready[slot].
-- WG0 (default partition) and WG1 (worker), the consumers (224 registers each; `_consumer`): each computes the
-  logits S = Q K^T for its BLOCK_N / 2 tokens of a tile (fp8 wgmma from shared memory, K = 512 + 64, no accumulator
-  promotion, as the default Triton config), the two exchange row maxima (x_s, x_ready) and P halves (p_s, p_ready)
-  through shared memory, and each owns half of O: acc (64 x 256 fp32) += P . V16[:, half] over all BLOCK_N tokens.
-  Iteration `it` issues P.V of tile it - 1 and Q.K of tile it back to back, retires P.V first (its V16 slot goes
-  back to the producer), then Q.K, then does the softmax of tile it (base 2, as `_softmax`). (Both consumers
-  computing all of S, with no exchange, measured 3-4% slower on the H200 -- gluon-v8 -- and ran out of registers on
-  Triton 3.8: removed, NOTES v13.)
-- mbarriers: k_ready[s] (count 129: producer threads via cp.async + one arrive publishing the stage's 0 / -inf
-  token bias, which the consumers add to S instead of loading the slots), k_empty[s] (3: both consumers after their Q.K,
-  the producer after reading the stage), v_ready[slot] (1: the producer), v_empty[slot] (1: the consumer of
-  that use, after its P.V), p_ready[2] (2: both consumers). The row maxima / sums: stored to x_s, then a named
-  barrier of both consumers (`bar.sync 15, 256`; GluonParams.x_sync: x_ready mbarriers in the other forms).
-- Epilogue as `_epilogue`: each consumer stores its 256 columns (bf16 out, or the fp32 split partial), WG0 the LSE.
-
-The producer is built from helpers (`_load_slots`, `_gather_tile`, `_convert_tile`) that gluon_few_heads.py's
-kernel also runs as two warpgroups (`_gatherer`, `_converter`); `_row_split`, `_split_tiles` (even pieces, or a
-lead plan's first piece of lead_tiles tiles on a split-major grid) and `launch_kernel` serve all three Gluon kernels.
-
-Written against Gluon's 3.6 API (`gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)`); 3.8 compiles and runs
-it too. The module imports on any machine (CPU, no Gluon) without error.
+Two consumer warpgroups split each tile's tokens for Q.K and share the row maxima through shared memory (a named
+barrier); each owns half of O (P . V16). A producer warpgroup gathers rows with cp.async into a K ring and converts
+the latent to fp16 into a V16 ring. Same grid, runtime arguments, split scratch and combine as the plain kernel.
 """
 
 from __future__ import annotations
@@ -44,96 +11,46 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.host_math import cdiv
-from vllm_kimi_dsa.kernels import triton_decode as td
+from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common.gluon import (
+    alloc_fp8_q_and_ring,
+    check_warpgroup_regs,
+    gather_tile,
+    gl,
+    gluon,
+    gluon_unavailable_reason,
+    launch_kernel,
+    load_slots,
+    normalizers,
+    row_split,
+    split_tiles,
+    store_latent,
+    wgmma_store_layout,
+)
+from vllm_kimi_dsa.planning import Config, gluon_config
+from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_H as BLOCK_H
+from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_N as DEFAULT_BLOCK_N
 
-LOG2E = td.LOG2E
-BLOCK_H = 64  # heads a CTA (the wgmma M of one warpgroup)
-DEFAULT_BLOCK_N = 64
 DEFAULT_K_STAGES = 2
 DEFAULT_V_SLOTS = 3
-# A split CTA's 64 x 512 fp32 partial is 128 KB written and read back by the combine: at the H200's bandwidth
-# share of an SM about 3.8 tiles of this kernel (~2.6 µs a 64-token tile). Fitted to bench_gluon --splits on
-# the H200 (results/h200-2026-12-03/gluon-v7/splits_probe.json): at 80 rows 2-3 splits take 146 µs, the 4 picked
-# without this term 158; the picks at 5, 20 and 320 rows (the fastest probed) stay. Fitted with fp32 partials; fp16
-# (triton_decode.PARTIAL_DTYPE) halves the bytes, not yet refitted (NOTES v19).
-SPLIT_TILES = 3.8
 DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a WAW barrier (Triton's membar)
-# Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread. Triton's AllocateWarpGroups
-# gives each worker what it requests and the default partition (consumer WG0) 504 - the two requests, so the
-# producer's small share goes to the consumers (224 + 224 + 56 = 504).
+# Register budget (setmaxnreg): 12 warps start at 65536 / 384 = 168 registers a thread; the default partition
+# (consumer WG0) gets 504 - the two requests, so the producer's small share goes to the consumers (224 + 224 + 56).
 DEFAULT_CONSUMER_REGS = 224
 DEFAULT_PRODUCER_REGS = 56
-# Triton versions whose Gluon API this file is written against: 3.6 (the H200's) and 3.8 both compile it offline
-# for sm_90a (benchmarks/gluon_report.py); others may have moved the API (warp_specialize's signature did in 3.6).
-SUPPORTED_TRITON = ("3.6", "3.8")
-# Versions on which the kernel has passed its GPU tests on the H200: 3.6 (its image's) and 3.8 (vLLM 0.33's, carried
-# there by benchmarks/device_triton38.sh; results/h200-2026-12-03/triton38, the current kernel in triton38-v2).
-# TritonDecode picks the kernel by itself only on these; VLLM_KIMI_DSA_GLUON=1 asks for it on any SUPPORTED_TRITON
-# version.
-VERIFIED_TRITON = ("3.6", "3.8")
 
-try:  # Gluon is experimental: absent from old Triton, its API moves between releases
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if gl is not None:
+    from vllm_kimi_dsa.kernels.common.gluon import (
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    _GLUON_IMPORT_ERROR: str | None = None
-except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
-    gluon = None
-    gl = None
-    _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
-
-
-def _triton_is(versions: tuple[str, ...]) -> bool:
-    return any(triton.__version__.startswith(v) for v in versions)
-
-
-def _triton_version_supported() -> bool:
-    return _triton_is(SUPPORTED_TRITON)
-
-
-def gluon_verified() -> bool:
-    """Whether this Triton version is one the kernel has passed its GPU tests on (VERIFIED_TRITON)."""
-    return _triton_is(VERIFIED_TRITON)
-
-
-def gluon_unavailable_reason(device: torch.device | str | None = None) -> str:
-    """Why the Gluon kernel cannot run on `device` (default: the current CUDA device); '' when it can: Gluon
-    imports, Triton's version is one this file targets, and the device is a Hopper (sm_90; no wgmma on sm_100+)."""
-    if _GLUON_IMPORT_ERROR is not None:
-        return f"Gluon does not import: {_GLUON_IMPORT_ERROR}"
-    if not _triton_version_supported():
-        return f"triton {triton.__version__} is not one of {SUPPORTED_TRITON} (the Gluon API this kernel is written for)"
-    try:
-        if device is not None and torch.device(device).type != "cuda":
-            return f"device {device} is not a CUDA device"
-        if not torch.cuda.is_available():
-            return "no CUDA device"
-        cap = torch.cuda.get_device_capability(device)
-    except Exception as e:  # noqa: BLE001
-        return f"CUDA query failed: {e}"
-    if cap[0] != 9:
-        return f"device is sm_{cap[0]}{cap[1]}, the kernel needs Hopper (sm_90) wgmma"
-    return ""
-
-
-def gluon_available(device: torch.device | str | None = None) -> bool:
-    """Whether this process can run the Gluon kernel on `device` (gluon_unavailable_reason is ''). Never raises."""
-    return gluon_unavailable_reason(device) == ""
-
-
-# ----------------------------------------------------------------------------- kernel
 
 if gl is not None:
     _BH = gl.constexpr(BLOCK_H)
@@ -243,14 +160,6 @@ if gl is not None:
                       stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
 
     @gluon.jit
-    def normalizers(l_i, m_i):
-        """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums: every
-        Gluon epilogue's (as triton_decode._epilogue's)."""
-        has = l_i > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-        return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-
-    @gluon.jit
     def _store_result(
         acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, out_scale,
@@ -274,7 +183,7 @@ if gl is not None:
                       + gl.expand_dims(offs_d, 0))
             gl.store(o_ptrs, (o * out_scale).to(gl.bfloat16), mask=mask_o)
             if HALF == 0:
-                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=mask_h_s)
+                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * LN2, mask=mask_h_s)
         else:
             base = (row * num_splits + split) * H
             # fp16 partials: 4 bytes a lane from the accumulator's layout (half sectors); stored from whole sectors
@@ -283,102 +192,8 @@ if gl is not None:
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
-    @triton.constexpr_function
-    def latent_store_layout(dims, heads, thread_dims, elem_bytes):
-        """A [dims, heads] layout for storing O in latent order, reached from the thread-native
-        BlockedLayout([thread_dims, 2], [8, 4], [4, 1], [0, 1]) (a thread's thread_dims contiguous dims of 2 heads;
-        the reg_v / seesaw accumulators' order) by moving data between the lanes of a warp only (shuffles, no shared
-        memory): a lane holds 16 contiguous bytes of a head and 8 lanes 128 contiguous bytes, so every store
-        instruction writes whole 32-byte sectors. From the thread-native layout a 16-byte store covered half (or a
-        quarter) of each sector it touched, and the next instruction the rest: 2-4x the sector writes, paid at the
-        end of every split CTA (its fp32 partial; NOTES v18)."""
-        vec = 16 // elem_bytes
-        if heads < 8 or thread_dims % vec:
-            raise ValueError(f"latent_store_layout: heads {heads} < 8 or thread_dims {thread_dims} not a multiple "
-                             f"of {vec}")
-        reg = [[1 << i, 0] for i in range(vec.bit_length() - 1)] + [[0, 1]]
-        reg += [[8 * vec << i, 0] for i in range((thread_dims // vec).bit_length() - 1)]
-        reg += [[0, 8 << i] for i in range((heads // 8).bit_length() - 1)]
-        lane = [[vec << i, 0] for i in range(3)] + [[0, 2], [0, 4]]
-        warp = [[8 * thread_dims << i, 0] for i in range(2)]
-        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                          shape=[dims, heads])
-
-    @triton.constexpr_function
-    def wgmma_store_layout(dims_on_m):
-        """latent_store_layout's counterpart for fp16 stores straight from a wgmma accumulator (warps [4, 1], m16),
-        seen as [dims, heads]: the 64-head kernel's O (64 heads on M, 256 dims on N; transposed) or the few-heads
-        kernel's O^T (dims_on_m: 256 dims on M, 16 heads on N). In the accumulator a lane holds 2 adjacent dims
-        (heads on M) or 1 (dims on M): 4 or 2 bytes a lane, half sectors at best. Here each lane holds 8 contiguous
-        dims (16 bytes) and 4 (2) lanes a head's 64 (32) contiguous bytes; the warps keep their rows, so the
-        conversion is warp shuffles."""
-        if dims_on_m:  # source: reg [0,1] [8,0] [0,8] [64,0] [128,0], lanes [0,2] [0,4] [1,0] [2,0] [4,0]
-            return gl.DistributedLinearLayout(
-                reg_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [128, 0]],
-                lane_bases=[[8, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
-                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[256, 16])
-        # source: reg [1,0] [0,8] [8,0] [16,0] [32,0] [64,0] [128,0], lanes [2,0] [4,0] [0,1] [0,2] [0,4]
-        return gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [4, 0], [0, 8], [32, 0], [64, 0], [128, 0]],
-            lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[256, 64])
-
-    @gluon.jit
-    def store_latent(o, base_ptr, head_stride, h0, H, layout: gl.constexpr):
-        """o [dims, heads] (fp32, latent order, normalized) into base_ptr + head * head_stride + dim (heads h0..,
-        masked to H) as base_ptr's dtype, stored from `layout` (latent_store_layout)."""
-        o = gl.convert_layout(o, layout)
-        offs_h = h0 + gl.arange(0, o.shape[1], gl.SliceLayout(0, layout))
-        offs_d = gl.arange(0, o.shape[0], gl.SliceLayout(1, layout))
-        ptrs = base_ptr + gl.expand_dims(offs_h.to(gl.int64) * head_stride, 0) + gl.expand_dims(offs_d, 1)
-        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < o.shape[0], 1)
-        gl.store(ptrs, o.to(base_ptr.dtype.element_ty), mask=mask)
-
-    # Shared-memory wavefronts of 16-byte accesses are served 8 lanes at a time: those 8 lanes must hit 8
-    # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, the layout before NOTES
-    # v12) took two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the
-    # few-heads kernel's shared-memory wavefronts, the resource that kernel runs out of first (ncu). Now 8 lanes
-    # move 128 contiguous bytes of one row. The RoPE (64-byte rows) is gathered 8 bytes a lane with the same rows
-    # a thread, so one slot vector serves both; the conversion reads 8 e4m3 and writes 8 fp16 a lane (16 lanes
-    # across a row) so that both its loads and its fp16 stores are conflict-free. tests/test_sm90_compile checks
-    # each against its buffer with Gluon's bank_conflicts.
-    _ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-    _ROPE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+    # the conversion reads 8 e4m3 and writes 8 fp16 a lane (16 lanes across a row): conflict-free loads and stores
     _CVT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-
-    @gluon.jit
-    def _load_slots(s_base, start, end, t, BLOCK_N: gl.constexpr):
-        """Tile t's slots (-1 past `end`), one per gathered row of _ROW_LAYOUT."""
-        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _ROW_LAYOUT))
-        return gl.load(s_base + offs, mask=offs < end, other=-1)
-
-    @gluon.jit
-    def _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
-                     K_STAGES: gl.constexpr):
-        """cp.async tile it's rows (zero-filled holes and tokens past the split, so V is finite) into its K stage,
-        publish its 0 / -inf token bias, and have the gathering warpgroup arrive on k_ready[stage]."""
-        stage = it % K_STAGES
-        ok = slot >= 0
-        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
-        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, _ROW_LAYOUT))
-        # _ROPE_LAYOUT gives a thread the same rows as _ROW_LAYOUT: these conversions move nothing
-        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, _ROPE_LAYOUT))
-        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_LAYOUT))
-        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, _ROPE_LAYOUT))
-        # the stage is free once the consumers' Q.K and the conversion of tile it - K_STAGES are done
-        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(
-            k_lat_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_lat, 0),
-            mask=gl.expand_dims(ok, 1))
-        async_copy.async_copy_global_to_shared(
-            k_rope_s.index(stage), kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0),
-            mask=gl.expand_dims(rope_ok, 1))
-        # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
-        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
-        # every thread arrives (count 128) once its copies have landed; one more, ordinary arrive (release: after
-        # the partition's barrier) publishes the bias store
-        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
-        mbarrier.arrive(k_ready.index(stage))
 
     @gluon.jit
     def _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, j,
@@ -413,11 +228,11 @@ if gl is not None:
         conversion, measured slower: NOTES v8.)"""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
-        slot = _load_slots(s_base, start, end, 0, BLOCK_N)
+        slot = load_slots(s_base, start, end, 0, BLOCK_N)
         for it in range(num_tiles + 1):
             if it < num_tiles:
-                _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
-                slot = _load_slots(s_base, start, end, it + 1, BLOCK_N)
+                gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
+                slot = load_slots(s_base, start, end, it + 1, BLOCK_N)
             if it > 0:
                 _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - 1,
                               BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
@@ -425,130 +240,6 @@ if gl is not None:
     # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes (latent 2 b in byte b's low nibble, 2 b + 1 in its high
     # one), 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320 (block s at 320 + 8 (s & 3) + (s >> 2)).
     # Scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
-    _SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
-
-    @gluon.jit
-    def _gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
-                           K_STAGES: gl.constexpr):
-        """_gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
-        stage buffers."""
-        stage = it % K_STAGES
-        ok = slot >= 0
-        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
-        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, _ROW_LAYOUT))
-        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, _ROPE_LAYOUT))  # moves nothing, as in _gather_tile
-        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_LAYOUT))
-        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, _ROPE_LAYOUT))
-        sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, _SC_LAYOUT))
-        sc_ok = sc_slot >= 0
-        sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
-        offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, _SC_LAYOUT))
-        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(
-            pk_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_pk, 0),
-            mask=gl.expand_dims(ok, 1))
-        rope_ptrs = (kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0)).to(
-            gl.pointer_type(gl.float8e4nv), bitcast=True)
-        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(rope_ok, 1))
-        async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
-                                                  mask=gl.expand_dims(sc_ok, 1))
-        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
-        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
-        mbarrier.arrive(k_ready.index(stage))
-
-    @gluon.jit
-    def _gatherer(
-        k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
-        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
-    ):
-        """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
-        cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
-        group's loads are issued right after the previous group's first gather, so the first use of a group waits
-        on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
-        waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
-        the `slot >= 0` test took most of the kernel's stall samples.)"""
-        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
-        slot0 = _load_slots(s_base, start, end, 0, BLOCK_N)
-        slot1 = _load_slots(s_base, start, end, 1, BLOCK_N)
-        slot2 = _load_slots(s_base, start, end, 2, BLOCK_N)
-        slot3 = _load_slots(s_base, start, end, 3, BLOCK_N)
-        for g in range(0, num_tiles, 4):
-            _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, g, stride_kv, K_STAGES, sc_s,
-                        NVFP4)
-            next0 = _load_slots(s_base, start, end, g + 4, BLOCK_N)
-            next1 = _load_slots(s_base, start, end, g + 5, BLOCK_N)
-            next2 = _load_slots(s_base, start, end, g + 6, BLOCK_N)
-            next3 = _load_slots(s_base, start, end, g + 7, BLOCK_N)
-            if g + 1 < num_tiles:
-                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot1, g + 1, stride_kv, K_STAGES,
-                            sc_s, NVFP4)
-            if g + 2 < num_tiles:
-                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot2, g + 2, stride_kv, K_STAGES,
-                            sc_s, NVFP4)
-            if g + 3 < num_tiles:
-                _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot3, g + 3, stride_kv, K_STAGES,
-                            sc_s, NVFP4)
-            slot0 = next0
-            slot1 = next1
-            slot2 = next2
-            slot3 = next3
-
-    @gluon.jit
-    def _gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES: gl.constexpr,
-                    sc_s, NVFP4: gl.constexpr):
-        """_gather_tile, or _gather_tile_nvfp4 (k_lat_s then holds the packed bytes, sc_s the scales)."""
-        if NVFP4:
-            _gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
-                               K_STAGES)
-        else:
-            _gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
-
-    @gluon.jit
-    def _alloc_fp8_q_and_ring(BH: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr):
-        """Q (BH heads: latent, RoPE) and the K ring's stages (BLOCK_N rows) for fp8 rows, as wgmma operands (128- /
-        64-byte swizzles); both Gluon kernels' first shared-memory buffers."""
-        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
-        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
-        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], lat_layout)
-        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], rope_layout)
-        return q_lat_s, q_rope_s, k_lat_s, k_rope_s
-
-    @gluon.jit
-    def _split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: gl.constexpr):
-        """(start, end, tiles) of this split's token range, as triton_decode._split_range (lead_tiles > 0: the first
-        piece takes that many tiles, the other num_splits - 1 the rest evenly)."""
-        count = gl.load(counts_ptr + row)
-        count = gl.minimum(gl.maximum(count, 0), K)
-        tiles = gl.cdiv(count, BLOCK_N)
-        if lead_tiles > 0:
-            first = gl.minimum(tiles, lead_tiles)
-            per = gl.cdiv(tiles - first, gl.maximum(num_splits - 1, 1))
-            t0 = gl.where(split == 0, 0, first + (split - 1) * per)
-            t1 = gl.where(split == 0, first, t0 + per)
-        else:
-            per = gl.cdiv(tiles, num_splits)
-            t0 = split * per
-            t1 = t0 + per
-        start = t0 * BLOCK_N
-        end = gl.minimum(t1 * BLOCK_N, count)
-        return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
-
-    @gluon.jit
-    def _row_split(num_splits, lead_tiles):
-        """(row, split) of this CTA on grid (head blocks, splits, rows), as triton_decode._row_split: split-major
-        when lead_tiles > 0, so every row's first (long) piece is dispatched before any short one."""
-        split = gl.program_id(1)
-        row = gl.program_id(2)
-        if lead_tiles > 0:
-            lin = split + row * num_splits
-            rows = gl.num_programs(2)
-            split = lin // rows
-            row = lin % rows
-        return row, split
-
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def gluon_decode_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
@@ -566,12 +257,12 @@ if gl is not None:
     ):
         """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
-        row, split = _row_split(num_splits, lead_tiles)
+        row, split = row_split(num_splits, lead_tiles)
 
-        start, end, num_tiles = _split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
+        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
 
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = _alloc_fp8_q_and_ring(_BH, BLOCK_N, K_STAGES)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(_BH, BLOCK_N, K_STAGES)
         v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, BLOCK_N, 256], v16_layout)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -661,27 +352,9 @@ class GluonParams:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({smem} B)")
 
-    def config(self) -> td.Config:
+    def config(self) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM)."""
         return gluon_config(self.block_n)
-
-
-def check_warpgroup_regs(consumer_regs: int, producer_regs: int) -> None:
-    """setmaxnreg budgets of a 12-warp kernel (the default partition = consumer WG0, workers consumer WG1 and the
-    producer): each request a multiple of 8 in [24, 256], and WG0's 504 - both requests in [consumer_regs, 256]."""
-    regs = (consumer_regs, producer_regs)
-    if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(consumer_regs, 257):
-        raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
-                         f"504 - both, in [consumer_regs, 256], got {regs}")
-
-
-def gluon_config(block_n: int = DEFAULT_BLOCK_N) -> td.Config:
-    """The triton_decode.Config the split heuristic and the workspace see for this kernel (64-head tiles, 1 CTA/SM).
-
-    Its tail-split plans (td.Config.tail_split): H200, H = 128, 115.6 vs 140.3 µs at 80 rows, 211.5 vs 232.4 at 160
-    (NOTES v11)."""
-    return td.Config(block_h=BLOCK_H, block_n=block_n, num_warps=12, num_stages=1, ctas_per_sm=1,
-                     split_tiles=SPLIT_TILES * block_n / DEFAULT_BLOCK_N, lead_split=True, lead_min_gain=0.0)
 
 
 def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
@@ -690,44 +363,8 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
                 CONSUMER_REGS=params.consumer_regs, PRODUCER_REGS=params.producer_regs)
 
 
-def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
-                  output_scale: float, ws: td.Workspace, splits: int, constexprs: dict[str, Any],
-                  options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None,
-                  lead_tiles: int = 0) -> Any:
-    """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
-    checked, no allocation, no sync. The kernels share triton_decode._decode_kernel's runtime arguments (extra_args:
-    a kernel's own, by name; lead_tiles: triton_decode.choose_lead's); options are compile options (maxnreg) beside
-    num_warps."""
-    rows, heads = query.shape[0], query.shape[1]
-    splits, lse_t = td.scratch(ws, rows, heads, splits, lse)
-    compiled = call_kernel(kernel, (head_blocks, splits, rows), query, kv_rows, slots, counts, out, lse_t,
-                           softmax_scale, output_scale, ws, splits, constexprs, options, extra_args, lead_tiles)
-    td.combine(ws, out, lse_t, splits, output_scale)
-    return compiled
-
-
-def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, counts, out, lse_t,
-                softmax_scale: float, output_scale: float, ws: td.Workspace, splits: int,
-                constexprs: dict[str, Any], options: dict[str, Any] | None = None,
-                extra_args: dict[str, Any] | None = None, lead_tiles: int = 0) -> Any:
-    """One launch of a Gluon decode kernel with triton_decode._decode_kernel's runtime arguments (lse_t: the LSE
-    buffer to write, never None), no combine."""
-    return kernel[grid](
-        query, kv_rows, slots, counts,
-        out, lse_t, ws.part_out, ws.part_lse,
-        query.shape[1], slots.shape[1], splits, lead_tiles if splits > 1 else 0,
-        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
-        out.stride(0), out.stride(1), lse_t.stride(0),
-        softmax_scale * LOG2E, output_scale,
-        **(extra_args or {}),
-        **constexprs,
-        num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
-        **(options or {}),
-    )
-
-
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
+           ws: Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
     """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
     return launch_kernel(gluon_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
                          out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
@@ -744,7 +381,7 @@ def gluon_sparse_mla_decode(
     output_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
-    workspace: td.Workspace | None = None,
+    workspace: Workspace | None = None,
     splits: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     k_stages: int = DEFAULT_K_STAGES,
@@ -761,16 +398,16 @@ def gluon_sparse_mla_decode(
     slots: (rows, K) int32, valid flat rows first; entries past counts and -1 are ignored.
     counts: (rows,) int32.
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
-    workspace: triton_decode.make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
+    workspace: make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
     block_n .. producer_regs: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
-    td.check_lead(lead_tiles)
+    check_lead(lead_tiles)
     reason = gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
-    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
@@ -779,6 +416,6 @@ def gluon_sparse_mla_decode(
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
-    workspace, splits = td.one_off_scratch(query, slots, "fp8", cfg, workspace, splits)
+    workspace, splits = one_off_scratch(query, slots, "fp8", cfg, workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
                   lead_tiles)

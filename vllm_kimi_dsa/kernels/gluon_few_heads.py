@@ -1,59 +1,14 @@
-"""Warp-specialized sparse MLA decode in Gluon for Hopper (sm_90a): <= 32 heads (K3.1's 12 / 16 a rank; 17..32 as
-16-head blocks), FP8 and nvfp4_ds_mla caches (see the end of this docstring).
+"""The few-heads warp-specialized Gluon decode for Hopper (sm_90a), <= 32 heads in 16-head blocks: kernel, params,
+launch.
 
-With few heads a row the decode is bound by the gathered bytes (576 a token), not by the tensor cores, so the
-design keeps many gathers in flight and takes the MMAs in the transposed form (tokens and latent dims on the wgmma's
-M, the heads on its N = 16), like `triton_decode`'s SWAP configs, which it replaces on Hopper:
-
-- 1 CTA an SM. Same grid (1 head block, splits, rows), runtime arguments, split scratch and
-  `_combine_kernel` as `triton_decode._decode_kernel`.
-- Two producer warpgroups, gluon_decode's `_gatherer` and `_converter` (12 warps in all): cp.async gathers of each
-  64-token tile into a K ring of K_STAGES (36 KB each) with the 0 / -inf token bias, and the latent e4m3 -> fp16
-  conversion into a V16 ring of half tiles (64 x 256 fp16), each as soon as its tile has landed. (split_producer=
-  False: gluon_decode's one-warpgroup `_producer`, 8 warps.)
-- One consumer warpgroup (the default partition): S^T = K Q^T (64 tokens x BH heads; fp8 wgmma, A = the K stage,
-  B = Q^T, both from shared memory), the online softmax down the tokens (one cross-warp max a tile; the row sums
-  stay per thread until the end), P^T -> fp16 into shared memory, then O^T (512 x BH, two 256-row halves) +=
-  V16^T P^T (fp16 wgmma, A = a V16 half read transposed, B = P^T). Iteration `it` issues P.V of tile it - 1 and
-  Q.K of tile it back to back and retires P.V first (its V16 halves go back to the producer).
-- mbarriers as gluon_decode's, with one consumer: k_empty counts 2 (the consumer after Q.K, the producer after
-  converting), each V16 half's v_empty 1.
-
-Shared memory (at most 227 KB): Q 16 x 576 + K_STAGES x 36 KB + V_SLOTS x 32 KB + P^T 16 x 64 fp16 + ~2 KB.
-
-FewHeadsParams.reg_v (fp8; reg_v_params(), which TritonDecode runs from REG_V_MIN_ROWS rows; GPU-tested on the H200
-with Triton 3.6 and 3.8): no converter and no V16 ring; the consumer loads each 16-token k-step of the latent from
-the K stage straight into P.V's register A operand (_v_chunk: O^T's rows are permuted so a thread's dims are 16
-contiguous stage bytes), halving the shared-memory traffic a tile: ~6% faster at 320 rows, ~1 µs slower at 1-5
-with fp32 split partials (NOTES v14), ahead at every size with fp16 ones (v19). The consumer's own chain, not shared
-memory, paces the kernel (two consumer warpgroups, a latent half each, both computing Q.K, were slower: removed).
-Two CTAs an SM (reg_v_params(2): reg_v, K ring 2, two P.V chunks in flight, compiled with maxnreg 128 so that the
-gatherer gets 56 registers and the consumer 200; 84 KB of shared memory each): two independent consumer chains an SM,
-which is what the one-CTA kernel lacked. H200, tail-split plans: H = 16 / 12 at 320 rows 121.6 / 119.5 µs (0.76 /
-0.77 of copy) vs 131.6 / 130.8, H = 32 193.1 vs 232.1; slower below ~40 rows and at some middle sizes (its plans split
-more). TritonDecode picks one or two CTAs an SM per (rows, width) by triton_decode.plan_cost (NOTES v15). pv_early
-(two CTAs, on PV_EARLY_VERIFIED_TRITON): P.V of tile it - 1 issued before the wait for tile it, freeing its stage one
-wait sooner (the K ring of 2 is what both warpgroups wait on): another 3-5% at 80-320 rows. stream (reg_v;
-launch_stream; GPU-tested on Triton 3.6 and 3.8, no kernel choice uses it): a stream-K grid of exactly the chip's
-slots, each CTA an even share of the batch's rows x tiles (_stream_body, _regv_stream_consumer,
-triton_decode.stream_combine). Slower than the two-CTA tail-split plans everywhere but 160 rows at H = 16 (70.8 vs
-74.2 µs; 121.3 vs 113.6 at 320, 47.2 vs 39.5 at 80; NOTES v16): its gatherer finds each tile's row and count, and
-the combine is one more launch even where no row is split.
-nvfp4_ds_mla (FewHeadsParams.nvfp4, nvfp4_params(); GPU-tested on the H200 with Triton 3.6 and 3.8; 2.4x the
-`tl` kernel at 320 rows, H = 12, yet ~1.3x slower than this kernel's fp8 path, NOTES v12 / v13): the gatherer moves each
-352-byte row's packed bytes, RoPE and scales into a 22.5 KB stage; the converter decodes e2m1 x e4m3 into V16 halves
-of even and odd latent dims (exact in fp16); Q.K takes the latent from those halves (fp16, Q stored as even / odd
-fp16) and the RoPE from the stage (fp8), so V16 holds two tiles (v_slots >= 4); the epilogue interleaves.
-
-17..32 heads (MULTI_HB; GPU-tested on 3.6 and 3.8): one CTA a 16-head block (a 32-head consumer would spill:
-128 accumulator registers), each gathering its rows again (from L2 when its sibling runs beside it). Not for more
-than 32 heads (gluon_decode's 64-head kernel) or sm_100+; `gluon_decode.gluon_available()` says whether this process can run
-Gluon.
+Tokens and latent dims on the wgmma's M, heads on its N = 16 (the transposed form). fp8 rows (reg_v): one gatherer
+warpgroup fills a K ring; the consumer loads P.V's latent from the K stage straight into registers, at one or two
+CTAs an SM. nvfp4_ds_mla rows: a gatherer and a converter (e2m1 x e4m3 -> fp16 even / odd halves into a V16 ring)
+feed one consumer. Same grid, runtime arguments, split scratch and combine as the plain kernel.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,38 +16,45 @@ import torch
 import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
-from vllm_kimi_dsa.kernels import gluon_decode as gd
-from vllm_kimi_dsa.kernels import triton_decode as td
+from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common.gluon import (
+    alloc_fp8_q_and_ring,
+    gatherer,
+    gl,
+    gluon,
+    gluon_unavailable_reason,
+    latent_store_layout,
+    launch_kernel,
+    normalizers,
+    row_split,
+    split_tiles,
+    store_latent,
+    store_q,
+    store_q_rope,
+)
+from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
+from vllm_kimi_dsa.planning import Config
+from vllm_kimi_dsa.planning.configs import FEW_BLOCK_H as BLOCK_H
+from vllm_kimi_dsa.planning.configs import FEW_BLOCK_N as BLOCK_N
+from vllm_kimi_dsa.planning.configs import few_heads_params_config
 
-BLOCK_N = 64  # tokens a tile: the wgmma M of S^T
-BLOCK_H = 16  # heads a CTA, the wgmma N (fewer heads are padded with zero queries, masked at the store)
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
-# runs beside it)
+# runs beside it); a 32-head consumer would spill
 MAX_HEADS = 2 * BLOCK_H
 # Hopper's per-SM budgets (sm_90): shared memory a CTA may take in all (228 KB less 1 KB a CTA), 32-bit registers
 SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
-# A split CTA's 16 x 512 fp32 partial (32 KB) written and read back by the combine: about 2 tiles of this
-# kernel's ~1.2 µs a tile at an SM's share of the bandwidth. A prior from that count; its picks at 5 / 80 / 320
-# rows (16 / 3 / 2 splits) were the fastest of the H200 probe (few-heads-v1, test_gluon_selection). Fitted with fp32
-# partials; fp16 (triton_decode.PARTIAL_DTYPE) halves the bytes, not yet refitted (NOTES v19).
-SPLIT_TILES = 2.0
-# Versions on which this kernel has passed its GPU tests (tests/test_gluon_few_heads.py), by (cache format, more than
-# one 16-head block): TritonDecode picks it by itself only on these (VLLM_KIMI_DSA_GLUON=1 asks for it on any
-# gluon_decode.SUPPORTED_TRITON version). Every shape passed on the H200 with 3.6 and with 3.8 (results/h200-2026-12-03/
-# few-heads-v6, triton38; the current kernels again in suite-v13 and triton38-v2).
-VERIFIED_TRITON: dict[tuple[str, bool], tuple[str, ...]] = {
-    ("fp8", False): ("3.6", "3.8"), ("fp8", True): ("3.6", "3.8"), ("nvfp4_ds_mla", False): ("3.6", "3.8"),
-    ("nvfp4_ds_mla", True): ("3.6", "3.8")}
+DEFAULT_CVT_ROWS = 32
 
-if gd.gl is not None:
-    gl = gd.gl
-    gluon = gd.gluon
-    mbarrier = gd.mbarrier
-    fence_async_shared = gd.fence_async_shared
-    warpgroup_mma = gd.warpgroup_mma
-    warpgroup_mma_init = gd.warpgroup_mma_init
-    warpgroup_mma_wait = gd.warpgroup_mma_wait
+if gl is not None:
+    from vllm_kimi_dsa.kernels.common.gluon import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
     _D = gl.constexpr(LATENT_DIM)
     _BN = gl.constexpr(BLOCK_N)
 
@@ -199,7 +161,7 @@ if gd.gl is not None:
         warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[16, 512]))
 
     # O^T in latent order for the REG_V epilogue: a thread's own 16 contiguous dims (and 2 heads, twice), reached
-    # in the thread; stored from gd.latent_store_layout
+    # in the thread; stored from latent_store_layout
     _O_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([16, 2], [8, 4], [4, 1], [0, 1]))
 
     @gluon.jit
@@ -277,18 +239,18 @@ if gd.gl is not None:
                        BH: gl.constexpr):
         """The epilogue for REG_V's accumulators, as _few_epilogue: O^T back to latent order in the thread (row i = 64 m
         + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h), then stored in whole
-        sectors (gd.latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x)."""
+        sectors (latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x)."""
         l_i = gl.sum(l_acc, axis=0)
         o = gl.reshape(gl.join(acc0, acc1), [4, 4, 2, 8, BH, 2])
         o = gl.convert_layout(gl.reshape(gl.permute(o, (1, 3, 5, 0, 2, 4)), [512, BH]), _O_STORE_LAYOUT)
-        inv, lse2 = gd.normalizers(l_i, m_i)
+        inv, lse2 = normalizers(l_i, m_i)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
         if num_splits == 1:
-            gd.store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row, stride_o_head, h0, H,
-                            gd.latent_store_layout(512, BH, 16, 2))
+            store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row, stride_o_head, h0, H,
+                            latent_store_layout(512, BH, 16, 2))
         else:
-            gd.store_latent(o, part_out_ptr + ((row * num_splits + split) * H).to(gl.int64) * _D, _D, h0, H,
-                            gd.latent_store_layout(512, BH, 16, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
+            store_latent(o, part_out_ptr + ((row * num_splits + split) * H).to(gl.int64) * _D, _D, h0, H,
+                            latent_store_layout(512, BH, 16, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
         _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
 
     @gluon.jit
@@ -324,7 +286,7 @@ if gd.gl is not None:
         """The LSE (natural log) of an unsplit row, or a split's base-2 LSE beside its partial."""
         offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(0, _mma_layout(BH, 32)))
         if num_splits == 1:
-            gl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * 0.6931471805599453, mask=offs_h < H)
+            gl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * LN2, mask=offs_h < H)
         else:
             gl.store(part_lse_ptr + (row * num_splits + split) * H + offs_h, lse2, mask=offs_h < H)
 
@@ -336,7 +298,7 @@ if gd.gl is not None:
         normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        inv, lse2 = gd.normalizers(l_i, m_i)
+        inv, lse2 = normalizers(l_i, m_i)
         inv = gl.convert_layout(inv, head_o_layout)
         offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
         offs_d = gl.arange(0, 256, gl.SliceLayout(1, o_layout))
@@ -386,29 +348,6 @@ if gd.gl is not None:
             mbarrier.init(k_empty.index(i), count=K_EMPTY)
         return p_s, bias_s, k_ready, k_empty
 
-    @gluon.jit
-    def _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH: gl.constexpr):
-        """Heads h0 .. h0 + BH of a row's query (e4m3 as is; padded heads 0) into q_lat_s / q_rope_s (the caller
-        fences before a wgmma reads them)."""
-        q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
-        q_row = q_ptr + row.to(gl.int64) * stride_q_row
-        q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
-                        + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
-                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
-        q_lat_s.store(q_lat)
-        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
-
-    @gluon.jit
-    def _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
-        """Heads h0 .. h0 + BH of the query's RoPE part (e4m3 as is; padded heads 0) into q_rope_s."""
-        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
-        q_rope = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1) + 512
-                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
-                         mask=gl.expand_dims(offs_h < H, 1), other=0.0)
-        q_rope_s.store(q_rope)
-
     # The nvfp4 conversion's view (rows, r 8, q 4, e 8) of the packed bytes: 16 lanes read 128 contiguous bytes of
     # a row (8 a lane) and 8 lanes store 64 fp16 of a V16 row, both conflict-free (16 bytes a lane on rows r, r + 1
     # took two wavefronts a load: NOTES v12). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
@@ -442,7 +381,7 @@ if gd.gl is not None:
                 pk = pk4.slice(r0, CVT_ROWS, dim=0).load(pk_layout)
                 sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, pk_layout))
                 scale = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16), 3)
-                lo, hi = gl.inline_asm_elementwise(td.E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [pk],
+                lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [pk],
                                                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
                 v_even.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(lo * scale, [CVT_ROWS, 256]))
                 v_odd.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(hi * scale, [CVT_ROWS, 256]))
@@ -479,7 +418,7 @@ if gd.gl is not None:
         q_mask = gl.expand_dims(offs_h < H, 1)
         q_lat_s.index(0).store(gl.load(q_even_ptrs, mask=q_mask, other=0.0).to(gl.float16))
         q_lat_s.index(1).store(gl.load(q_even_ptrs + 1, mask=q_mask, other=0.0).to(gl.float16))
-        _store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
+        store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
         fence_async_shared()
 
         gl.warp_specialize(
@@ -490,7 +429,7 @@ if gd.gl is not None:
                                  row, split, h0, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  BH, K_STAGES, V_SLOTS)),
-                (gd._gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
+                (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES, sc_s, True)),
                 (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
@@ -519,13 +458,13 @@ if gd.gl is not None:
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
     ):
         """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
-        row, split = gd._row_split(num_splits, lead_tiles)
+        row, split = row_split(num_splits, lead_tiles)
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:
             h0 = 0
 
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
+        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
         if NVFP4:
             _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                row, split, h0, start, end, num_tiles, H, num_splits,
@@ -535,11 +474,11 @@ if gd.gl is not None:
             return
 
         # fp8 (REG_V): no V16 ring, the consumer alone frees a stage
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
         p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
 
         # Q into shared memory, by this (consumer) warpgroup
-        _store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
+        store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
         fence_async_shared()
 
         # (the consumer's arguments are spelled out: a tuple variable loses its constexprs)
@@ -550,7 +489,7 @@ if gd.gl is not None:
                                   row, split, h0, num_tiles, H, num_splits,
                                   stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                   BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
-                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
             ],
@@ -569,7 +508,7 @@ class FewHeadsParams:
 
     k_stages: int = 3  # K ring depth (the gathers in flight)
     v_slots: int = 2  # nvfp4: the fp16 V16 ring of half tiles (>= 4: Q.K holds a tile's halves, P.V the previous)
-    cvt_rows: int = gd.DEFAULT_CVT_ROWS  # nvfp4: rows the converter decodes a step
+    cvt_rows: int = DEFAULT_CVT_ROWS  # nvfp4: rows the converter decodes a step
     producer_regs: int = 96  # reg_v: setmaxnreg of the gatherer
     nvfp4: bool = False  # nvfp4_ds_mla rows: _nvfp4_kernel_body (gatherer + converter warpgroups)
     # fp8: no converter and no V16 ring; the consumer loads P.V's latent from the K stage into registers
@@ -614,13 +553,10 @@ class FewHeadsParams:
             q, stage, v16 = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM, 0
         return q + self.k_stages * stage + v16 + BLOCK_H * BLOCK_N * 2 + 2048
 
-    def config(self, heads: int = BLOCK_H) -> td.Config:
+    def config(self, heads: int = BLOCK_H) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
         CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed)."""
-        cfg = dataclasses.replace(few_heads_config(), lead_split=self.reg_v)
-        if self.ctas_per_sm == 1:
-            return cfg
-        return dataclasses.replace(cfg, ctas_per_sm=2, tile_cost=TWO_CTA_TILE_COST[min(-(-heads // BLOCK_H), 2)])
+        return few_heads_params_config(heads, self.reg_v, self.ctas_per_sm)
 
     def launch_options(self) -> dict[str, Any]:
         """Compile options beside the constexprs: two CTAs an SM get half the register file each (reg_v: 8 warps)."""
@@ -632,39 +568,12 @@ def nvfp4_params() -> FewHeadsParams:
     return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True, reg_v=False)
 
 
-# A tile's time a CTA at two CTAs an SM (reg_v_params(2)) over one CTA an SM (reg_v_params()), for plan_cost, by
-# 16-head blocks a row (two: each pair of sibling CTAs gathers the same rows, which the second finds in L2). Fitted
-# (benchmarks/fit_plan_cost.py, SPLIT_TILES held) to the H200's tail-split times at K = 2048 with fp16 partials,
-# whole-sector stores and pv_early (results/h200-2026-12-04/plan-sweep, one run: both forms at 18 row counts, 1..320,
-# H = 12 / 16 / 32; NOTES v21): the model's picks lose 1.0 µs over the 54 points (39.7 with v15's {1: 1.7, 2: 1.5},
-# which chose one CTA at 40-160 rows where two now run up to 10% faster: H = 16 at 160 rows 67.2 against 72.2 µs);
-# fitted on every other row count it loses 1.5 µs on the rest (20.5 with v15's). A factor near 1 says two CTAs an SM
-# run a tile almost as fast as one: two CTAs from 5 rows (H = 12 / 16) or 9 rows (H = 32) up; below, the forms are
-# within 0.4 µs of each other.
-TWO_CTA_TILE_COST = {1: 1.15, 2: 1.3}
-# Versions on which the two-CTA form's pv_early order passed its GPU tests (H200; 3-5% faster at 80-320 rows than
-# the two-CTA form without it, NOTES v15; Triton 3.8: results/h200-2026-12-04/stream-k/tests_t38.log); elsewhere
-# reg_v_params(2) keeps the order reg_v was verified with
-PV_EARLY_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
-# Versions on which reg_v passed its GPU tests (fp8, every head count): TritonDecode uses it only on these
-REG_V_VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
-
-
 def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
-    """fp8 with P.V's latent through registers: one CTA an SM at its best K ring (3 of 2..5 measured), or two CTAs an
-    SM (K ring 2 each, two P.V chunks in flight, the gatherer 56 registers and the consumer 200, and P.V issued
-    before the wait for the next tile where that order was GPU-tested: PV_EARLY_VERIFIED_TRITON)."""
+    """fp8 with P.V's latent through registers: one CTA an SM (K ring 3), or two CTAs an SM (K ring 2 each, two P.V
+    chunks in flight, the gatherer 56 registers and the consumer 200, P.V issued before the wait for the next tile)."""
     if ctas_per_sm == 2:
-        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56,
-                              pv_early=gd._triton_is(PV_EARLY_VERIFIED_TRITON))
+        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56, pv_early=True)
     return FewHeadsParams(reg_v=True, k_stages=3)
-
-
-def few_heads_config() -> td.Config:
-    """Its tail-split plans (td.Config.tail_split): H200, H = 16 fp8 146.6 vs 161.0 µs at 320 rows, 81.5 vs 101.9
-    at 160; nvfp4 H = 12 190.2 vs 205.3 at 320; H = 32 fp8 78.8 vs 97.4 at 80 rows (NOTES v11)."""
-    return td.Config(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1,
-                     swap=True, split_tiles=SPLIT_TILES)
 
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
@@ -674,22 +583,12 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
                 PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early)
 
 
-def reg_v_verified() -> bool:
-    """Whether this Triton version is one reg_v passed its GPU tests on."""
-    return gd._triton_is(REG_V_VERIFIED_TRITON)
-
-
-def few_heads_verified(fmt: str = "fp8", heads: int = BLOCK_H) -> bool:
-    """Whether this Triton version is one the kernel passed its GPU tests on, for this cache format and head count."""
-    return gd._triton_is(VERIFIED_TRITON[(fmt, heads > BLOCK_H)])
-
-
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0) -> Any:
+           ws: Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0) -> Any:
     """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
     no sync."""
     heads = query.shape[1]
-    return gd.launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
+    return launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
                             params.launch_options(), lead_tiles=lead_tiles)
 
@@ -704,7 +603,7 @@ def few_heads_sparse_mla_decode(
     output_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
-    workspace: td.Workspace | None = None,
+    workspace: Workspace | None = None,
     splits: int | None = None,
     params: FewHeadsParams | None = None,
     lead_tiles: int = 0,
@@ -716,19 +615,19 @@ def few_heads_sparse_mla_decode(
     Other arguments (lead_tiles too) as triton_decode.sparse_mla_decode; workspace from
     make_workspace(config=params.config()). Returns the compiled kernel handle.
     """
-    td.check_lead(lead_tiles)
-    reason = gd.gluon_unavailable_reason(query.device)
+    check_lead(lead_tiles)
+    reason = gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
     params = params or reg_v_params()
     fmt = "nvfp4_ds_mla" if params.nvfp4 else "fp8"
-    td._check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
+    check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
     rows, heads = query.shape[0], query.shape[1]
     if heads > MAX_HEADS:
         raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
     cfg = params.config()
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
-    workspace, splits = td.one_off_scratch(query, slots, fmt, cfg, workspace, splits)
+    workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
                   lead_tiles)

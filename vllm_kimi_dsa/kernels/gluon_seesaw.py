@@ -1,48 +1,9 @@
-"""Seesaw sparse MLA decode in Gluon for Hopper (sm_90a: wgmma): FP8 cache, > 32 heads in 64-head tiles.
+"""The seesaw 64-head Gluon decode for Hopper (sm_90a), FP8 rows: its kernel, params and launch.
 
-Computes what gluon_decode.gluon_decode_kernel computes (same grid, runtime arguments, split scratch and combine:
-gluon_decode.launch_kernel), scheduled the way FlashMLA's SM90 decode is ("seesaw"), with P.V's latent taken from
-the K ring through registers as gluon_few_heads' reg_v form does. Not for nvfp4 caches, <= 32 heads or sm_100+.
-
-Why: in gluon_decode's kernel both consumers split each tile's tokens, so both wait on the same row-max exchange
-and run their softmax at the same time while the tensor pipe idles (~36% busy at 320 rows, NOTES v15), and a
-converter warpgroup writes and both consumers read a V16 ring (96 KB of shared memory a tile).
-
-Design (12 warps = 3 warpgroups, 1 CTA an SM; shared memory 36 KB Q + K_STAGES x 36 KB K ring + 16 KB P):
-- WG2, the gatherer (gluon_decode._gatherer, as the few-heads kernel's): tile t's 64 rows (576 B each, cp.async,
-  holes zero-filled, the 0 / -inf token bias beside them) into stage t % K_STAGES; k_ready[stage] counts its
-  129 arrivals. No conversion: the consumers read the e4m3 latent themselves.
-- WG0 / WG1, the consumers. Consumer t % 2 owns tile t: S_t = Q K_t^T (64 heads x 64 tokens, fp8 wgmma, K = 512 +
-  64), m_t = max(m_(t-1), rowmax S_t), P_t = exp2(S_t - m_t) (fp16) and m_t into shared memory (p_s[t % 2],
-  x_s[t % 2]; p_ready). Both consumers then take O^T[half] = alpha_t O^T[half] + V_t^T[half] P_t^T, half = the
-  consumer: latent dims 256 half .. 256 half + 255 of tile t straight from the K stage into P.V's register A
-  operand (e4m3 -> fp16, exact; O^T's rows permuted so a thread loads 8 contiguous stage bytes a token), P_t^T from
-  shared memory. The owner of tile t + 1 is the other consumer of tile t, so it learns m_t from x_s before its own
-  softmax: the running max passes back and forth (the "seesaw"), one exchange a tile.
-- Each consumer goes through the tiles in order: the other's tile t - 1 (wait for m and P, P.V), then its own tile
-  t (Q.K, softmax, publish, P.V). Every step retires its wgmmas before the next starts (no accumulator in flight
-  across a loop edge or branch).
-- Row sums: each consumer sums its own tiles' P (rescaled by every alpha), and the two shares are added at the end
-  (l_s, l_ready). Epilogue: each consumer stores its 256 latent dims (bf16 out, or the fp32 split partial),
-  consumer 0 the LSE.
-- mbarriers: k_ready[s] (129: the gatherer), k_empty[s] (2: each consumer once its P.V operands are loaded; the
-  owner's Q.K has retired by then), p_ready[b] (1: the owner), p_empty[b] (1: the non-owner, after its P.V of the
-  tile retired), l_ready (2); with SeesawParams.handoff = 1 the last three count each consumer thread's own arrive
-  too (+128 a consumer).
-
-Measured (H200, Triton 3.6, tail-split plans, H = 128, K = 2048; NOTES v17 / v18): 345.4 vs gluon_decode's 377.7
-µs at 320 rows, 70.8 vs 79.0 at 64, where each CTA runs a whole row unsplit. Split launches on their own were level
-with the other kernel once its partial stores wrote whole sectors (19.7 vs 19.5 µs at 5 rows, 48.4 vs 49.2 at 32;
-they cost 4-5 µs more before: ncu showed consumer WG1 waiting for its half-sector partial stores to drain before
-its setmaxnreg release), and are 2-5% faster with fp16 partials (NOTES v20, seesaw_takes), but a split tail
-launched after a whole-rows launch still loses (80 rows 119.6 vs 109.7,
-96 rows with 16-tile splits 134.7 vs 125.9), hence TritonDecode's per-launch choice (seesaw_takes). The tensor pipe
-is still ~34% busy: each tile's chain (the next owner's P.V, its Q.K, its softmax, the hand-off) runs through both
-consumers in series. Two reorderings that take the Q.K off that chain were measured slower and removed
-(SeesawParams' note).
-
-The module imports on any machine (CPU, no Gluon) without error; gluon_decode.gluon_available() says whether this
-process can run it.
+Scheduled as FlashMLA's SM90 decode: consumer t % 2 owns tile t (Q.K, softmax, P and the running max published to
+the other), both take P.V of every tile for their latent half, the latent read from the K ring through registers;
+the running max passes back and forth, one hand-off a tile. A gatherer warpgroup fills the K ring. Same grid,
+runtime arguments, split scratch and combine as the plain kernel.
 """
 
 from __future__ import annotations
@@ -52,34 +13,34 @@ from typing import Any
 
 from vllm_kimi_dsa.formats import HEAD_DIM
 from vllm_kimi_dsa.host_math import cdiv
-from vllm_kimi_dsa.kernels import gluon_decode as gd
-from vllm_kimi_dsa.kernels import triton_decode as td
+from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common.gluon import (
+    alloc_fp8_q_and_ring,
+    check_warpgroup_regs,
+    gatherer,
+    gl,
+    gluon_unavailable_reason,
+    latent_store_layout,
+    launch_kernel,
+    row_split,
+    split_tiles,
+    store_latent,
+    store_q,
+)
+from vllm_kimi_dsa.planning import Config, gluon_config
+from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_H as BLOCK_H
 
-BLOCK_H = gd.BLOCK_H  # 64 heads a CTA
 BLOCK_N = 64  # tokens a tile
-# Triton versions on which this kernel passed its GPU tests on the H200; TritonDecode picks it only there (or when
-# asked for with VLLM_KIMI_DSA_GLUON=1)
-VERIFIED_TRITON: tuple[str, ...] = ("3.6", "3.8")
-# TritonDecode (fp8, > 32 heads) runs a plan's launch on it when it is the plan's only launch, or unsplit with at least
-# this many tiles a CTA (seesaw_takes), on gluon_decode's kernel otherwise. On the H200 (H = 128; results/h200-2026-12-04/
-# seesaw-split, sector-stores and seesaw-tail, one run each) it wins on unsplit rows (32 tiles, width 2048, 64 rows:
-# 71.7 vs 79.2 µs; 16 tiles, width 1024: 40.1 vs 46.7; 8 tiles, width 512, the whole rows of 140 / 200 / 280-row plans:
-# 70.0 / 89.9 / 117.9 vs 72.6 / 97.3 / 128.1, level at 72 / 80 rows: 43.8 / 47.5 vs 43.9 / 46.0); on split launches it
-# is level alone (5 / 20 / 32 rows: 19.7 / 36.4 / 48.4 vs 19.5 / 36.7 / 49.2) but loses as the tail after a
-# whole-rows launch (fp16 partials, width 2048, 72 / 80 / 96 / 140 / 160 / 200 / 280 rows: 101.5 / 113.5 / 129.3 /
-# 177.6 / 199.1 / 235.8 / 320.9 every launch here against 97.2 / 107.2 / 123.3 / 170.8 / 194.2 / 232.8 / 314.2; the
-# same at width 1024; not yet understood). Narrower rows (width 256 and less) are not measured.
-SEESAW_MIN_TILES = 8
 
-gl = gd.gl
 if gl is not None:
-    gluon = gd.gluon
-    mbarrier = gd.mbarrier
-    fence_async_shared = gd.fence_async_shared
-    warpgroup_mma = gd.warpgroup_mma
-    warpgroup_mma_init = gd.warpgroup_mma_init
-    warpgroup_mma_wait = gd.warpgroup_mma_wait
-    from vllm_kimi_dsa.kernels import gluon_few_heads as gfh
+    from vllm_kimi_dsa.kernels.common.gluon import (
+        fence_async_shared,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
 
     _BH = gl.constexpr(BLOCK_H)
     _BN = gl.constexpr(BLOCK_N)
@@ -191,7 +152,7 @@ if gl is not None:
         mbarrier.arrive(l_ready.index(0))
         mbarrier.wait(l_ready.index(0), 0)
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
-        # gd.normalizers, written out: the call (inv first) reorders this kernel's SASS, not yet re-verified on a GPU
+        # common.gluon.normalizers, written out: the call (inv first) reorders this kernel's SASS
         has = l_i > 0.0
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
@@ -201,14 +162,14 @@ if gl is not None:
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
         offs_h_s = hb * _BH + gl.arange(0, _BH, head_s)
         if num_splits == 1:
-            gd.store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row + 256 * HALF, stride_o_head,
+            store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row + 256 * HALF, stride_o_head,
                             hb * _BH, H, _O_STORE_LAYOUT)
             if HALF == 0:
-                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * 0.6931471805599453, mask=offs_h_s < H)
+                gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * LN2, mask=offs_h_s < H)
         else:
             base = (row * num_splits + split) * H
-            gd.store_latent(o, part_out_ptr + base.to(gl.int64) * 512 + 256 * HALF, 512, hb * _BH, H,
-                            gd.latent_store_layout(256, _BH, 8, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
+            store_latent(o, part_out_ptr + base.to(gl.int64) * 512 + 256 * HALF, 512, hb * _BH, H,
+                            latent_store_layout(256, _BH, 8, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=offs_h_s < H)
 
@@ -261,10 +222,10 @@ if gl is not None:
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
         hb = gl.program_id(0)
-        row, split = gd._row_split(num_splits, lead_tiles)
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
+        row, split = row_split(num_splits, lead_tiles)
+        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
 
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s = gd._alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
         p_s = gl.allocate_shared_memory(gl.float16, [2, _BH, _BN], _P_LAYOUT)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], _PLAIN)
         x_s = gl.allocate_shared_memory(gl.float32, [2, _BH], _PLAIN)
@@ -283,7 +244,7 @@ if gl is not None:
         mbarrier.init(l_ready.index(0), count=2)
 
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
-        gfh._store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
+        store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
         fence_async_shared()
 
         gl.warp_specialize(
@@ -300,7 +261,7 @@ if gl is not None:
                              row, split, hb, num_tiles, H, num_splits,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              1, K_STAGES, PV_IN_FLIGHT)),
-                (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
             ],
@@ -329,15 +290,15 @@ class SeesawParams:
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
-        gd.check_warpgroup_regs(self.consumer_regs, self.producer_regs)
+        check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
         if self.k_stages < 2 or smem > 227 * 1024:
             raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
 
-    def config(self, heads: int | None = None) -> td.Config:
+    def config(self, heads: int | None = None) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head, 64-token tiles, 1 CTA an
         SM: gluon_decode's)."""
-        return gd.gluon_config(BLOCK_N)
+        return gluon_config(BLOCK_N)
 
 
 def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
@@ -346,49 +307,32 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
                 PRODUCER_REGS=params.producer_regs)
 
 
-def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:
-    """Whether TritonDecode runs a launch over rows `width` slots wide split `splits` ways on this kernel: the one
-    launch of a plan (alone), split or not, and otherwise unsplit rows of at least SEESAW_MIN_TILES tiles.
-
-    One-launch plans, H200 (results/h200-2026-12-04/seesaw-alone, one run, H = 128, µs, 64-head kernel -> this
-    one): width 2048 at 1 / 2 / 4 / 5 / 8 / 16 / 20 / 32 rows (split 32 .. 2 ways) 12.0 / 13.8 / 15.9 / 17.4 / 20.1 /
-    28.2 / 34.2 / 45.3 -> 11.4 / 13.4 / 15.3 / 16.7 / 19.4 / 27.5 / 33.1 / 43.9; width 512 at 1 / 5 / 20 / 64 rows
-    10.3 / 12.6 / 17.5 / 30.6 -> 9.6 / 12.1 / 17.1 / 24.9. The split tail after a whole-rows launch stays on the
-    64-head kernel (slower here: SEESAW_MIN_TILES above)."""
-    return alone or (splits == 1 and cdiv(width, BLOCK_N) >= SEESAW_MIN_TILES)
-
-
-def seesaw_verified() -> bool:
-    """Whether this Triton version is one the kernel passed its GPU tests on."""
-    return gd._triton_is(VERIFIED_TRITON)
-
-
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: td.Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0) -> Any:
+           ws: Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0) -> Any:
     """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
-    return gd.launch_kernel(seesaw_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
+    return launch_kernel(seesaw_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
                             counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
                             lead_tiles=lead_tiles)
 
 
 def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: float, output_scale: float, out, lse=None,
-                             workspace: td.Workspace | None = None, splits: int | None = None,
+                             workspace: Workspace | None = None, splits: int | None = None,
                              params: SeesawParams | None = None, lead_tiles: int = 0) -> Any:
     """Sparse MLA decode of an fp8 cache with the seesaw kernel: gluon_decode.gluon_sparse_mla_decode's contract
     (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
     from triton_decode.make_workspace with params.config(); None allocates one: tests only; lead_tiles as
     triton_decode.sparse_mla_decode's)."""
-    td.check_lead(lead_tiles)
-    reason = gd.gluon_unavailable_reason(query.device)
+    check_lead(lead_tiles)
+    reason = gluon_unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"the seesaw Gluon decode kernel cannot run here: {reason}")
-    td._check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
+    check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
     rows, heads = query.shape[0], query.shape[1]
     if heads <= 32:
         raise ValueError(f"query must have > 32 heads for the 64-head seesaw kernel, got {heads}")
     params = params or SeesawParams()
     if rows == 0:
         return None
-    workspace, splits = td.one_off_scratch(query, slots, "fp8", params.config(), workspace, splits)
+    workspace, splits = one_off_scratch(query, slots, "fp8", params.config(), workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
                   lead_tiles)

@@ -1,0 +1,145 @@
+"""TritonDecode, the core's "triton" DecodeKernel: the plain kernel everywhere, the Gluon kernels on Hopper.
+
+At construction it picks the kernels (variants.gluon_choice), plans every (rows, width), binds each plan's launches
+and sizes the shared split workspace; a call only checks its inputs and runs the bound plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_kimi_dsa import envs
+from vllm_kimi_dsa.backends.hopper.variants import GluonChoice, gluon_choice, seesaw_takes
+from vllm_kimi_dsa.formats import normalize_format
+from vllm_kimi_dsa.kernels import triton_decode
+from vllm_kimi_dsa.kernels.base import DecodeSetup
+from vllm_kimi_dsa.kernels.common import check_inputs, num_sms, run_plan, shared_workspace
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available
+from vllm_kimi_dsa.planning import choose_lead, choose_plan, default_config, plan_cost, plan_table
+
+# (params, the kernel module's launch): params None is the plain kernel
+Kernel = tuple[Any, Any]
+
+
+class TritonDecode:
+    """DecodeKernel "triton": kernels by (heads, fmt), plans by (rows, K), launches bound and scratch made here.
+
+    config: the plan Config of the batch's plans; gluon: the Gluon params bound (None: the plain kernel);
+    gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; > 32 heads: the seesaw
+    kernel); plan_params[rows, width]: (the first launch's params, the split rows' launch's); plan_leads[rows, width]:
+    the one-launch plan's lead (choose_lead), 0 if none.
+    """
+
+    name: ClassVar[str] = "triton"
+
+    def __init__(self, setup: DecodeSetup) -> None:
+        self.setup = setup
+        self.fmt = normalize_format(setup.fmt)
+        _check_setup(setup)
+        choice = _available_choice(self.fmt, setup)
+        self.gluon: Any = choice.params if choice else None
+        self.gluon_large: tuple[Any, ...] = choice.large if choice else ()
+        self.config = choice.config if choice else default_config(setup.heads, self.fmt)
+        sms = num_sms(torch.device(setup.device))
+        self._plans = plan_table(setup.max_rows, setup.heads, setup.widths, self.config, sms)
+        self._launches: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.plan_params: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.plan_leads: dict[tuple[int, int], int] = {}
+        self._bind(choice, sms)
+        self.workspace = shared_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows,
+                                          widths=setup.widths, fmt=self.fmt, config=self.config, plans=self._plans)
+
+    def _bind(self, choice: GluonChoice | None, sms: int) -> None:
+        """Each plan's launches, bound once (the call path does not branch on them): few heads fp8, the occupancy the
+        model costs least, for both launches (its plan re-made for it); > 32 heads, the seesaw kernel for the launches
+        seesaw_takes, gluon_decode's for a split tail after whole rows; a one-launch plan's lead bound into its launch."""
+        heads = self.setup.heads
+        small: Kernel = (self.gluon, choice.launch if choice else None)
+        large: list[Kernel] = [(p, choice.large_launch) for p in self.gluon_large]
+        large_configs = [p.config(heads) for p in self.gluon_large]
+        seesaw = large[0] if choice is not None and choice.seesaw and large else None
+        bound: dict[tuple[int, Any, int], Any] = {}  # one launch callable per (params, module launch, lead)
+        for (rows, width), (whole, splits) in self._plans.items():
+            first = tail = small
+            plan_config = self.config
+            if seesaw is None and large:
+                costs = [plan_cost(rows, heads, width, c, sms) for c in large_configs]
+                best = costs.index(min(costs))
+                plan_config = large_configs[best]
+                self._plans[rows, width] = choose_plan(rows, heads, width, plan_config, sms)
+                first = tail = large[best]
+            elif seesaw is not None:
+                first = seesaw if seesaw_takes(width, 1 if whole else splits, alone=not whole) else small
+                tail = seesaw if seesaw_takes(width, splits) else small
+                if not whole:  # no second launch: bound as the first, for the record (plan_params)
+                    tail = first
+            lead = choose_lead(rows, heads, width, plan_config, sms) if self.gluon is not None else 0
+            self._launches[rows, width] = (self._bound(bound, first, lead), self._bound(bound, tail, 0))
+            self.plan_params[rows, width] = (first[0], tail[0])
+            self.plan_leads[rows, width] = lead
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_rows: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        *,
+        block_size: int,
+        rows_per_block_stride: int,
+    ) -> None:
+        check_inputs(query, kv_rows, slots, counts, self.fmt, out, lse)
+        rows, heads = query.shape[0], query.shape[1]
+        if heads != self.setup.heads:
+            raise ValueError(f"query has {heads} heads, the kernel was set up for {self.setup.heads}")
+        key = (rows, slots.shape[1])
+        if key not in self._plans:
+            raise ValueError(
+                f"rows={rows}, width={slots.shape[1]} not planned (max_rows {self.setup.max_rows}, widths {self.setup.widths})"
+            )
+        if rows == 0:
+            return
+        launch, split_launch = self._launches[key]
+        run_plan(launch, self._plans[key], query, kv_rows, slots, counts, out, lse, split_launch=split_launch)
+
+    def _launch_tl(self, query, kv_rows, slots, counts, out, lse, splits: int) -> None:
+        triton_decode.launch(query, kv_rows, slots, counts, out, lse, self.fmt, self.setup.softmax_scale,
+                             self.setup.output_scale, self.workspace, self.config, splits)
+
+    def _bound(self, cache: dict[tuple[int, Any, int], Any], kernel: Kernel, lead_tiles: int) -> Any:
+        """The launch run_plan calls for (params, module launch) with this lead, made once per distinct triple."""
+        params, module_launch = kernel
+        key = (id(params), module_launch, lead_tiles)
+        if key not in cache:
+            cache[key] = self._launch_tl if params is None else self._gluon_call(params, module_launch, lead_tiles)
+        return cache[key]
+
+    def _gluon_call(self, params: Any, module_launch: Any, lead_tiles: int) -> Any:
+        """A Gluon kernel module's launch with these params and lead, as run_plan calls it."""
+
+        def launch(query, kv_rows, slots, counts, out, lse, splits: int) -> None:
+            module_launch(query, kv_rows, slots, counts, out, lse, self.setup.softmax_scale,
+                          self.setup.output_scale, self.workspace, splits, params, lead_tiles)
+        return launch
+
+
+def _check_setup(setup: DecodeSetup) -> None:
+    if setup.heads < 1 or setup.heads > 128:
+        raise ValueError(f"heads must be in 1..128 for the triton kernel, got {setup.heads}")
+    bad = [w for w in setup.widths if w < 128 or w % 128]
+    if bad or not setup.widths:
+        raise ValueError(f"widths must be non-empty multiples of 128, got {setup.widths}")
+
+
+def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
+    """gluon_choice's kernels where this device runs Gluon and (unless VLLM_KIMI_DSA_GLUON=1) they were verified on
+    this Triton; None: the plain kernel."""
+    want = envs.gluon_choice()
+    choice = gluon_choice(fmt, setup.heads, want)
+    if choice is None or not gluon_available(setup.device) or not (want == "1" or choice.verified):
+        return None
+    return choice

@@ -1,0 +1,86 @@
+"""The one table of Gluon kernel variants TritonDecode binds on Hopper, and the Triton versions each was verified on.
+
+A variant runs by itself only on the versions of VERIFIED_TRITON (GPU-tested there); VLLM_KIMI_DSA_GLUON=1 asks
+for it on any version Gluon's API supports, =0 never. Elsewhere the plain kernel runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kimi_dsa.host_math import cdiv
+from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads, gluon_seesaw
+from vllm_kimi_dsa.kernels.common.gluon import triton_is
+from vllm_kimi_dsa.planning import Config, few_heads_config
+
+# variant -> the Triton versions on which it passed its GPU tests on the H200
+VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
+    "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
+    "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
+    "few-fp8": ("3.6", "3.8"),  # gluon_few_heads reg_v, one and two CTAs an SM, <= 16 heads
+    "few-fp8-multi": ("3.6", "3.8"),  # ... 17..32 heads (16-head blocks)
+    "few-nvfp4": ("3.6", "3.8"),  # gluon_few_heads nvfp4, <= 16 heads
+    "few-nvfp4-multi": ("3.6", "3.8"),  # ... 17..32 heads
+    "pv_early": ("3.6", "3.8"),  # the two-CTA reg_v form's P.V issued before the wait for the next tile
+}
+# the seesaw kernel takes unsplit launches of rows of at least this many 64-token tiles (and every one-launch plan);
+# a split tail after whole rows runs faster on gluon_decode's kernel
+SEESAW_MIN_TILES = 8
+
+
+def verified(variant: str) -> bool:
+    """Whether this Triton is one the variant passed its GPU tests on."""
+    return triton_is(VERIFIED_TRITON[variant])
+
+
+def seesaw_takes(width: int, splits: int, alone: bool = False) -> bool:
+    """Whether a launch over rows `width` slots wide split `splits` ways runs on the seesaw kernel: the one launch
+    of a plan (alone), split or not, and otherwise unsplit rows of at least SEESAW_MIN_TILES tiles."""
+    return alone or (splits == 1 and cdiv(width, gluon_seesaw.BLOCK_N) >= SEESAW_MIN_TILES)
+
+
+@dataclass(frozen=True)
+class GluonChoice:
+    """The Gluon kernels bound for one (format, heads).
+
+    params / launch: every launch's kernel unless `large` takes it. config: the plan Config of the batch's plans.
+    large / large_launch: few heads fp8, the params of each occupancy, picked per plan by plan cost (for both of its
+    launches); > 32 heads, the seesaw kernel's, for the launches seesaw_takes. seesaw: which of the two `large` is.
+    verified: whether this Triton is one every bound variant passed its GPU tests on.
+    """
+
+    params: Any
+    launch: Any
+    config: Config
+    large: tuple[Any, ...] = ()
+    large_launch: Any = None
+    seesaw: bool = False
+    verified: bool = True
+
+
+def gluon_choice(fmt: str, heads: int, want: str) -> GluonChoice | None:
+    """The Gluon kernels for (fmt, heads) under VLLM_KIMI_DSA_GLUON=`want` ("" unset, "1", "0"), before availability;
+    None where only the plain kernel runs (want "0", nvfp4 above 32 heads)."""
+    if want == "0":
+        return None
+    if heads > 32:
+        if fmt != "fp8":
+            return None
+        params = gluon_decode.GluonParams()
+        seesaw = want == "1" or verified("seesaw")
+        return GluonChoice(params, gluon_decode.launch, params.config(),
+                           large=(gluon_seesaw.SeesawParams(),) if seesaw else (),
+                           large_launch=gluon_seesaw.launch if seesaw else None, seesaw=seesaw,
+                           verified=verified("gluon64"))
+    multi = "-multi" if heads > gluon_few_heads.BLOCK_H else ""
+    if fmt == "fp8":  # every batch on reg_v, one or two CTAs an SM by plan cost
+        two = gluon_few_heads.reg_v_params(ctas_per_sm=2)
+        if not verified("pv_early"):
+            two = dataclasses.replace(two, pv_early=False)
+        params = gluon_few_heads.reg_v_params()
+        return GluonChoice(params, gluon_few_heads.launch, few_heads_config(), large=(params, two),
+                           large_launch=gluon_few_heads.launch, verified=verified("few-fp8" + multi))
+    params = gluon_few_heads.nvfp4_params()
+    return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4" + multi))

@@ -1,0 +1,371 @@
+"""What the Gluon decode kernels share: Gluon's imports and availability, and their common jit pieces.
+
+Split ranges on a split-major grid, the cp.async gatherer (fp8 and nvfp4 rows), Q into shared memory, the
+normalizers and whole-sector latent stores, and the host launch with its combine. Imports on any machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from vllm_kimi_dsa.kernels.common.combine import LOG2E, combine
+from vllm_kimi_dsa.kernels.common.workspace import Workspace, scratch
+
+# Triton versions whose Gluon API the kernels are written against: 3.6 and 3.8 both compile them offline for
+# sm_90a (warp_specialize's signature moved in 3.6)
+SUPPORTED_TRITON = ("3.6", "3.8")
+
+try:  # Gluon is experimental: absent from old Triton, its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,  # noqa: F401
+        mbarrier,
+        warpgroup_mma,  # noqa: F401
+        warpgroup_mma_init,  # noqa: F401
+        warpgroup_mma_wait,  # noqa: F401 - these four: the kernel leaves take them from here
+    )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    _GLUON_IMPORT_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
+    gluon = None
+    gl = None
+    _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+def triton_is(versions: tuple[str, ...]) -> bool:
+    """Whether this process's Triton is one of these versions ("3.6" matches 3.6.x)."""
+    return any(triton.__version__.startswith(v) for v in versions)
+
+
+def triton_version_supported() -> bool:
+    """Whether this Triton is one the Gluon kernels are written against (SUPPORTED_TRITON)."""
+    return triton_is(SUPPORTED_TRITON)
+
+
+def gluon_unavailable_reason(device: torch.device | str | None = None) -> str:
+    """Why the Gluon kernels cannot run on `device` (default: the current CUDA device); '' when they can: Gluon
+    imports, Triton's version is one they are written against, and the device is a Hopper (sm_90; no wgmma on
+    sm_100+)."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"Gluon does not import: {_GLUON_IMPORT_ERROR}"
+    if not triton_version_supported():
+        return f"triton {triton.__version__} is not one of {SUPPORTED_TRITON} (the Gluon API this kernel is written for)"
+    try:
+        if device is not None and torch.device(device).type != "cuda":
+            return f"device {device} is not a CUDA device"
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        cap = torch.cuda.get_device_capability(device)
+    except Exception as e:  # noqa: BLE001
+        return f"CUDA query failed: {e}"
+    if cap[0] != 9:
+        return f"device is sm_{cap[0]}{cap[1]}, the kernel needs Hopper (sm_90) wgmma"
+    return ""
+
+
+def gluon_available(device: torch.device | str | None = None) -> bool:
+    """Whether this process can run the Gluon kernel on `device` (gluon_unavailable_reason is ''). Never raises."""
+    return gluon_unavailable_reason(device) == ""
+
+
+def check_warpgroup_regs(consumer_regs: int, producer_regs: int) -> None:
+    """setmaxnreg budgets of a 12-warp kernel (the default partition = consumer WG0, workers consumer WG1 and the
+    producer): each request a multiple of 8 in [24, 256], and WG0's 504 - both requests in [consumer_regs, 256]."""
+    regs = (consumer_regs, producer_regs)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs) or 504 - sum(regs) not in range(consumer_regs, 257):
+        raise ValueError(f"consumer_regs, producer_regs must be multiples of 8 in [24, 256] leaving consumer WG0 "
+                         f"504 - both, in [consumer_regs, 256], got {regs}")
+
+
+def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
+                  output_scale: float, ws: Workspace, splits: int, constexprs: dict[str, Any],
+                  options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None,
+                  lead_tiles: int = 0) -> Any:
+    """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
+    checked, no allocation, no sync. The kernels share the plain kernel's runtime arguments (extra_args:
+    a kernel's own, by name; lead_tiles: planning.choose_lead's); options are compile options (maxnreg) beside
+    num_warps."""
+    rows, heads = query.shape[0], query.shape[1]
+    splits, lse_t = scratch(ws, rows, heads, splits, lse)
+    compiled = call_kernel(kernel, (head_blocks, splits, rows), query, kv_rows, slots, counts, out, lse_t,
+                           softmax_scale, output_scale, ws, splits, constexprs, options, extra_args, lead_tiles)
+    combine(ws, out, lse_t, splits, output_scale)
+    return compiled
+
+
+def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, counts, out, lse_t,
+                softmax_scale: float, output_scale: float, ws: Workspace, splits: int,
+                constexprs: dict[str, Any], options: dict[str, Any] | None = None,
+                extra_args: dict[str, Any] | None = None, lead_tiles: int = 0) -> Any:
+    """One launch of a Gluon decode kernel with the decode kernels' common runtime arguments (lse_t: the LSE
+    buffer to write, never None), no combine."""
+    return kernel[grid](
+        query, kv_rows, slots, counts,
+        out, lse_t, ws.part_out, ws.part_lse,
+        query.shape[1], slots.shape[1], splits, lead_tiles if splits > 1 else 0,
+        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
+        out.stride(0), out.stride(1), lse_t.stride(0),
+        softmax_scale * LOG2E, output_scale,
+        **(extra_args or {}),
+        **constexprs,
+        num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
+        **(options or {}),
+    )
+
+
+if gl is not None:
+    @gluon.jit
+    def normalizers(l_i, m_i):
+        """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums: every
+        Gluon epilogue's (as triton_decode._epilogue's)."""
+        has = l_i > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+
+    @triton.constexpr_function
+    def latent_store_layout(dims, heads, thread_dims, elem_bytes):
+        """A [dims, heads] layout for storing O in latent order, reached from the thread-native
+        BlockedLayout([thread_dims, 2], [8, 4], [4, 1], [0, 1]) (a thread's thread_dims contiguous dims of 2 heads;
+        the reg_v / seesaw accumulators' order) by moving data between the lanes of a warp only (shuffles, no shared
+        memory): a lane holds 16 contiguous bytes of a head and 8 lanes 128 contiguous bytes, so every store
+        instruction writes whole 32-byte sectors. From the thread-native layout a 16-byte store covered half (or a
+        quarter) of each sector it touched, and the next instruction the rest: 2-4x the sector writes, paid at the
+        end of every split CTA (its fp32 partial; NOTES v18)."""
+        vec = 16 // elem_bytes
+        if heads < 8 or thread_dims % vec:
+            raise ValueError(f"latent_store_layout: heads {heads} < 8 or thread_dims {thread_dims} not a multiple "
+                             f"of {vec}")
+        reg = [[1 << i, 0] for i in range(vec.bit_length() - 1)] + [[0, 1]]
+        reg += [[8 * vec << i, 0] for i in range((thread_dims // vec).bit_length() - 1)]
+        reg += [[0, 8 << i] for i in range((heads // 8).bit_length() - 1)]
+        lane = [[vec << i, 0] for i in range(3)] + [[0, 2], [0, 4]]
+        warp = [[8 * thread_dims << i, 0] for i in range(2)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                          shape=[dims, heads])
+
+    @triton.constexpr_function
+    def wgmma_store_layout(dims_on_m):
+        """latent_store_layout's counterpart for fp16 stores straight from a wgmma accumulator (warps [4, 1], m16),
+        seen as [dims, heads]: the 64-head kernel's O (64 heads on M, 256 dims on N; transposed) or the few-heads
+        kernel's O^T (dims_on_m: 256 dims on M, 16 heads on N). In the accumulator a lane holds 2 adjacent dims
+        (heads on M) or 1 (dims on M): 4 or 2 bytes a lane, half sectors at best. Here each lane holds 8 contiguous
+        dims (16 bytes) and 4 (2) lanes a head's 64 (32) contiguous bytes; the warps keep their rows, so the
+        conversion is warp shuffles."""
+        if dims_on_m:  # source: reg [0,1] [8,0] [0,8] [64,0] [128,0], lanes [0,2] [0,4] [1,0] [2,0] [4,0]
+            return gl.DistributedLinearLayout(
+                reg_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [128, 0]],
+                lane_bases=[[8, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
+                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[256, 16])
+        # source: reg [1,0] [0,8] [8,0] [16,0] [32,0] [64,0] [128,0], lanes [2,0] [4,0] [0,1] [0,2] [0,4]
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [4, 0], [0, 8], [32, 0], [64, 0], [128, 0]],
+            lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[256, 64])
+
+    @gluon.jit
+    def store_latent(o, base_ptr, head_stride, h0, H, layout: gl.constexpr):
+        """o [dims, heads] (fp32, latent order, normalized) into base_ptr + head * head_stride + dim (heads h0..,
+        masked to H) as base_ptr's dtype, stored from `layout` (latent_store_layout)."""
+        o = gl.convert_layout(o, layout)
+        offs_h = h0 + gl.arange(0, o.shape[1], gl.SliceLayout(0, layout))
+        offs_d = gl.arange(0, o.shape[0], gl.SliceLayout(1, layout))
+        ptrs = base_ptr + gl.expand_dims(offs_h.to(gl.int64) * head_stride, 0) + gl.expand_dims(offs_d, 1)
+        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < o.shape[0], 1)
+        gl.store(ptrs, o.to(base_ptr.dtype.element_ty), mask=mask)
+
+    # Shared-memory wavefronts of 16-byte accesses are served 8 lanes at a time: those 8 lanes must hit 8
+    # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, the layout before NOTES
+    # v12) took two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the
+    # few-heads kernel's shared-memory wavefronts, the resource that kernel runs out of first (ncu). Now 8 lanes
+    # move 128 contiguous bytes of one row. The RoPE (64-byte rows) is gathered 8 bytes a lane with the same rows
+    # a thread, so one slot vector serves both; the conversion reads 8 e4m3 and writes 8 fp16 a lane (16 lanes
+    # across a row) so that both its loads and its fp16 stores are conflict-free. tests/test_sm90_compile checks
+    # each against its buffer with Gluon's bank_conflicts.
+    ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+    ROPE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def load_slots(s_base, start, end, t, BLOCK_N: gl.constexpr):
+        """Tile t's slots (-1 past `end`), one per gathered row of ROW_LAYOUT."""
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, ROW_LAYOUT))
+        return gl.load(s_base + offs, mask=offs < end, other=-1)
+
+    @gluon.jit
+    def gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                     K_STAGES: gl.constexpr):
+        """cp.async tile it's rows (zero-filled holes and tokens past the split, so V is finite) into its K stage,
+        publish its 0 / -inf token bias, and have the gathering warpgroup arrive on k_ready[stage]."""
+        stage = it % K_STAGES
+        ok = slot >= 0
+        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
+        offs_lat = gl.arange(0, 512, gl.SliceLayout(0, ROW_LAYOUT))
+        # ROPE_LAYOUT gives a thread the same rows as ROW_LAYOUT: these conversions move nothing
+        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, ROPE_LAYOUT))
+        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, ROPE_LAYOUT))
+        offs_rope = 512 + gl.arange(0, 64, gl.SliceLayout(0, ROPE_LAYOUT))
+        # the stage is free once the consumers' Q.K and the conversion of tile it - K_STAGES are done
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(
+            k_lat_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_lat, 0),
+            mask=gl.expand_dims(ok, 1))
+        async_copy.async_copy_global_to_shared(
+            k_rope_s.index(stage), kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0),
+            mask=gl.expand_dims(rope_ok, 1))
+        # the consumers add this 0 / -inf to the logits instead of loading the slots themselves
+        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
+        # every thread arrives (count 128) once its copies have landed; one more, ordinary arrive (release: after
+        # the partition's barrier) publishes the bias store
+        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+        mbarrier.arrive(k_ready.index(stage))
+
+    SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                           K_STAGES: gl.constexpr):
+        """gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
+        stage buffers."""
+        stage = it % K_STAGES
+        ok = slot >= 0
+        row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
+        offs_pk = gl.arange(0, 256, gl.SliceLayout(0, ROW_LAYOUT))
+        rope_off = gl.convert_layout(row_off, gl.SliceLayout(1, ROPE_LAYOUT))  # moves nothing, as in gather_tile
+        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, ROPE_LAYOUT))
+        offs_rope = 256 + gl.arange(0, 64, gl.SliceLayout(0, ROPE_LAYOUT))
+        sc_slot = gl.convert_layout(slot, gl.SliceLayout(1, SC_LAYOUT))
+        sc_ok = sc_slot >= 0
+        sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
+        offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, SC_LAYOUT))
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(
+            pk_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_pk, 0),
+            mask=gl.expand_dims(ok, 1))
+        rope_ptrs = (kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0)).to(
+            gl.pointer_type(gl.float8e4nv), bitcast=True)
+        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(rope_ok, 1))
+        async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
+                                                  mask=gl.expand_dims(sc_ok, 1))
+        bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
+        async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+        mbarrier.arrive(k_ready.index(stage))
+
+    @gluon.jit
+    def gatherer(
+        k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
+    ):
+        """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
+        cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
+        group's loads are issued right after the previous group's first gather, so the first use of a group waits
+        on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
+        waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
+        the `slot >= 0` test took most of the kernel's stall samples.)"""
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        slot0 = load_slots(s_base, start, end, 0, BLOCK_N)
+        slot1 = load_slots(s_base, start, end, 1, BLOCK_N)
+        slot2 = load_slots(s_base, start, end, 2, BLOCK_N)
+        slot3 = load_slots(s_base, start, end, 3, BLOCK_N)
+        for g in range(0, num_tiles, 4):
+            gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot0, g, stride_kv, K_STAGES, sc_s,
+                        NVFP4)
+            next0 = load_slots(s_base, start, end, g + 4, BLOCK_N)
+            next1 = load_slots(s_base, start, end, g + 5, BLOCK_N)
+            next2 = load_slots(s_base, start, end, g + 6, BLOCK_N)
+            next3 = load_slots(s_base, start, end, g + 7, BLOCK_N)
+            if g + 1 < num_tiles:
+                gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot1, g + 1, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            if g + 2 < num_tiles:
+                gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot2, g + 2, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            if g + 3 < num_tiles:
+                gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot3, g + 3, stride_kv, K_STAGES,
+                            sc_s, NVFP4)
+            slot0 = next0
+            slot1 = next1
+            slot2 = next2
+            slot3 = next3
+
+    @gluon.jit
+    def gather_any(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES: gl.constexpr,
+                    sc_s, NVFP4: gl.constexpr):
+        """gather_tile, or gather_tile_nvfp4 (k_lat_s then holds the packed bytes, sc_s the scales)."""
+        if NVFP4:
+            gather_tile_nvfp4(k_lat_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                               K_STAGES)
+        else:
+            gather_tile(k_lat_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv, K_STAGES)
+
+    @gluon.jit
+    def alloc_fp8_q_and_ring(BH: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr):
+        """Q (BH heads: latent, RoPE) and the K ring's stages (BLOCK_N rows) for fp8 rows, as wgmma operands (128- /
+        64-byte swizzles); both Gluon kernels' first shared-memory buffers."""
+        lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 512], lat_layout)
+        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
+        k_lat_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 512], lat_layout)
+        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, BLOCK_N, 64], rope_layout)
+        return q_lat_s, q_rope_s, k_lat_s, k_rope_s
+
+    @gluon.jit
+    def split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: gl.constexpr):
+        """(start, end, tiles) of this split's token range, as triton_decode._split_range (lead_tiles > 0: the first
+        piece takes that many tiles, the other num_splits - 1 the rest evenly)."""
+        count = gl.load(counts_ptr + row)
+        count = gl.minimum(gl.maximum(count, 0), K)
+        tiles = gl.cdiv(count, BLOCK_N)
+        if lead_tiles > 0:
+            first = gl.minimum(tiles, lead_tiles)
+            per = gl.cdiv(tiles - first, gl.maximum(num_splits - 1, 1))
+            t0 = gl.where(split == 0, 0, first + (split - 1) * per)
+            t1 = gl.where(split == 0, first, t0 + per)
+        else:
+            per = gl.cdiv(tiles, num_splits)
+            t0 = split * per
+            t1 = t0 + per
+        start = t0 * BLOCK_N
+        end = gl.minimum(t1 * BLOCK_N, count)
+        return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+    @gluon.jit
+    def row_split(num_splits, lead_tiles):
+        """(row, split) of this CTA on grid (head blocks, splits, rows), as triton_decode._row_split: split-major
+        when lead_tiles > 0, so every row's first (long) piece is dispatched before any short one."""
+        split = gl.program_id(1)
+        row = gl.program_id(2)
+        if lead_tiles > 0:
+            lin = split + row * num_splits
+            rows = gl.num_programs(2)
+            split = lin // rows
+            row = lin % rows
+        return row, split
+
+    @gluon.jit
+    def store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH: gl.constexpr):
+        """Heads h0 .. h0 + BH of a row's query (e4m3 as is; padded heads 0) into q_lat_s / q_rope_s (the caller
+        fences before a wgmma reads them)."""
+        q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
+        q_row = q_ptr + row.to(gl.int64) * stride_q_row
+        q_lat = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1)
+                        + gl.expand_dims(gl.arange(0, 512, gl.SliceLayout(0, q_ld)), 0),
+                        mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_lat_s.store(q_lat)
+        store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
+
+    @gluon.jit
+    def store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH: gl.constexpr):
+        """Heads h0 .. h0 + BH of the query's RoPE part (e4m3 as is; padded heads 0) into q_rope_s."""
+        q_rope_ld: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_rope_ld))
+        q_rope = gl.load(q_row + gl.expand_dims(offs_h * stride_q_head, 1) + 512
+                         + gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, q_rope_ld)), 0),
+                         mask=gl.expand_dims(offs_h < H, 1), other=0.0)
+        q_rope_s.store(q_rope)

@@ -1,0 +1,176 @@
+"""The split-KV scratch every decode kernel writes its partials into, and the per-call checks and slices of it.
+
+PARTIAL_DTYPE, Workspace, make_workspace / shared_workspace (one per device and head count), check_inputs,
+scratch, one_off_scratch, check_lead, num_sms, run_plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
+from vllm_kimi_dsa.planning import Config, choose_splits, default_config, plan_table, split_entries
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 for the interpreter (a few splits, so the combine path runs on a CPU too)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# The split partials' dtype: fp16 halves what the splits write and the combine reads. A partial is a convex mix of
+# the cache's values (|o| <= 6 x 448), inside fp16's range; its rounding, 2^-11 of the largest |v|, is below the bf16
+# output's 2^-8.
+PARTIAL_DTYPE = torch.float16
+
+
+@dataclass
+class Workspace:
+    """Split-KV scratch: part_out (capacity*512,) fp32 or fp16 (make_workspace's partial_dtype), part_lse
+    (capacity,) fp32, a dummy lse (rows*H,)."""
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    dummy_lse: torch.Tensor
+    capacity: int  # rows * splits * heads entries the scratch holds
+    max_rows: int
+    heads: int
+
+
+def make_workspace(
+    device: torch.device | str,
+    *,
+    heads: int,
+    max_rows: int,
+    widths: tuple[int, ...] | list[int] = (2048,),
+    fmt: CacheFormat = "fp8",
+    config: Config | None = None,
+    plans: dict[tuple[int, int], tuple[int, int]] | None = None,
+    min_entries: int = 0,
+) -> Workspace:
+    """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
+    them when the caller has it already (else made here); min_entries: at least this many partial entries (a larger
+    shared scratch). Partials are PARTIAL_DTYPE (the combine reads them in fp32). A normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
+    <= 448 for e4m3 rows, <= 6 x 448 for nvfp4_ds_mla, inside fp16's range, rounded to 2^-11 of the largest."""
+    device = torch.device(device)
+    if heads < 1:
+        raise ValueError(f"heads must be >= 1, got {heads}")
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if plans is None:
+        cfg = config or default_config(heads, normalize_format(fmt))
+        plans = plan_table(max_rows, heads, widths, cfg, num_sms(device))
+    need = max(min_entries, split_entries(plans, heads))
+    return Workspace(
+        part_out=torch.empty(need * LATENT_DIM, dtype=PARTIAL_DTYPE, device=device),
+        part_lse=torch.empty(need, dtype=torch.float32, device=device),
+        dummy_lse=torch.empty(max_rows * heads, dtype=torch.float32, device=device),
+        capacity=need,
+        max_rows=max_rows,
+        heads=heads,
+    )
+
+
+# (device, heads, partial dtype) -> the largest workspace made for it: every layer's kernel runs on one stream, one
+# after another, so all of them share one scratch, as FlashInfer's plans share one workspace.
+_SHARED_WORKSPACES: dict[tuple[str, int, torch.dtype], Workspace] = {}
+
+
+def shared_workspace(
+    device: torch.device | str,
+    *,
+    heads: int,
+    max_rows: int,
+    widths: tuple[int, ...] | list[int],
+    fmt: CacheFormat,
+    config: Config,
+    plans: dict[tuple[int, int], tuple[int, int]],
+) -> Workspace:
+    """make_workspace's scratch, shared by every caller of this device and head count that it is large enough for.
+
+    A caller needing more gets a new, larger one, which later callers then share; callers already holding the
+    smaller one keep it (it still fits them).
+    """
+    device = torch.device(device)
+    key = (str(device), int(heads), PARTIAL_DTYPE)
+    need = split_entries(plans, heads)
+    held = _SHARED_WORKSPACES.get(key)
+    if held is not None and held.capacity >= need and held.max_rows >= max_rows:
+        return held
+    made = make_workspace(device, heads=heads, max_rows=max(max_rows, held.max_rows if held else 0), widths=widths,
+                          fmt=fmt, config=config, plans=plans, min_entries=max(need, held.capacity if held else 0))
+    _SHARED_WORKSPACES[key] = made
+    return made
+
+
+def check_inputs(query, kv_rows, slots, counts, fmt, out, lse) -> None:
+    """Every argument of a decode call against its contract (kernels/base.py DecodeKernel), naming the argument."""
+    if query.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"query must be float8_e4m3fn, got {query.dtype}")
+    if query.dim() != 3 or query.shape[-1] != HEAD_DIM or query.stride(-1) != 1:
+        raise ValueError(f"query must be (rows, H, {HEAD_DIM}) with unit last stride, got {tuple(query.shape)}")
+    rows, heads = query.shape[0], query.shape[1]
+    if kv_rows.dtype != cache_dtype(fmt):
+        raise TypeError(f"kv_rows must be {cache_dtype(fmt)} for {fmt}, got {kv_rows.dtype}")
+    if kv_rows.dim() != 2 or kv_rows.shape[1] != row_bytes(fmt) or kv_rows.stride(1) != 1:
+        raise ValueError(f"kv_rows must be (num_rows, {row_bytes(fmt)}) with unit last stride, got {tuple(kv_rows.shape)}")
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[0] != rows or slots.stride(1) != 1:
+        raise ValueError(f"slots must be (rows={rows}, K) int32 with unit last stride, got {tuple(slots.shape)} {slots.dtype}")
+    if counts.dtype != torch.int32 or counts.shape != (rows,) or not counts.is_contiguous():
+        raise ValueError(f"counts must be contiguous ({rows},) int32, got {tuple(counts.shape)} {counts.dtype}")
+    if out.dtype != torch.bfloat16 or out.shape != (rows, heads, LATENT_DIM) or out.stride(-1) != 1:
+        raise ValueError(f"out must be ({rows}, {heads}, {LATENT_DIM}) bf16 with unit last stride, got {tuple(out.shape)} {out.dtype}")
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != (rows, heads) or lse.stride(-1) != 1):
+        raise ValueError(f"lse must be ({rows}, {heads}) float32 with unit last stride, got {tuple(lse.shape)} {lse.dtype}")
+
+
+def scratch(ws: Workspace, rows: int, heads: int, splits: int, lse: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """(splits the workspace holds, the LSE buffer to write: `lse` or the workspace's dummy) for one call."""
+    if rows > ws.max_rows or heads != ws.heads:
+        raise ValueError(f"workspace was made for rows <= {ws.max_rows}, heads {ws.heads}; got rows {rows}, heads {heads}")
+    if splits > 1 and rows * splits * heads > ws.capacity:
+        splits = max(1, ws.capacity // (rows * heads))
+    return splits, (lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads))
+
+
+def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: Config,
+                    workspace: Workspace | None, splits: int | None) -> tuple[Workspace, int]:
+    """The workspace and split count of a single call (tests, benchmarks): `splits` as given, else as choose_splits
+    picks; with no workspace, one sized for exactly this call and split count (one launch, every row split alike).
+    Not for the hot path (it allocates). A given workspace too small for `splits` lowers them (scratch)."""
+    rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
+    if splits is None:
+        splits = choose_splits(rows, heads, width, config, num_sms(query.device))
+    elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1 (or None: choose_splits), got {splits!r}")
+    if workspace is None:
+        workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
+                                   config=config, plans={(rows, width): (0, splits)})
+    return workspace, splits
+
+
+def check_lead(lead_tiles: int) -> int:
+    """A one-off call's lead_tiles (choose_lead's form: 0 for even splits), checked."""
+    if isinstance(lead_tiles, bool) or not isinstance(lead_tiles, int) or lead_tiles < 0:
+        raise ValueError(f"lead_tiles must be an int >= 0 (0: even splits), got {lead_tiles!r}")
+    return lead_tiles
+
+
+def run_plan(launch: Any, plan: tuple[int, int], query, kv_rows, slots, counts, out, lse, *args: Any,
+             split_launch: Any = None) -> None:
+    """launch(query, kv_rows, slots, counts, out, lse, *args, splits) over a choose_plan plan: the whole rows unsplit,
+    then the rest (row slices: views, nothing allocated) through split_launch (default: launch). A one-launch plan
+    runs on launch."""
+    whole, splits = plan
+    if not whole:  # one launch over the batch (no slicing: the common plan, kept cheap on the host)
+        launch(query, kv_rows, slots, counts, out, lse, *args, splits)
+        return
+    launch(query[:whole], kv_rows, slots[:whole], counts[:whole], out[:whole],
+           None if lse is None else lse[:whole], *args, 1)
+    if whole < query.shape[0]:  # choose_plan keeps whole < rows; a caller's plan may not
+        (split_launch or launch)(query[whole:], kv_rows, slots[whole:], counts[whole:], out[whole:],
+                                 None if lse is None else lse[whole:], *args, splits)
