@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from vllm_kimi_dsa.kernels import gluon_decode as gd  # noqa: E402
+from vllm_kimi_dsa.kernels.common import gluon as cg  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
 
 # the layouts before NOTES v12, as the negative control: the check must see their conflicts
@@ -42,9 +43,9 @@ def conflicts(p, BN: gl.constexpr, CVT: gl.constexpr):
     pk4 = gl.allocate_shared_memory(gl.uint8, [CVT, 8, 4, 8], PLAIN4)
     cvt8 = gl.allocate_shared_memory(gl.float8e4nv, [CVT, 256], LAT)
     v16 = gl.allocate_shared_memory(gl.float16, [CVT, 256], fh._V16_LAYOUT)
-    gl.static_print("RESULT", "lat_gather", gl.bank_conflicts(gl.full([BN, 512], 0, gl.float8e4nv, gd._ROW_LAYOUT).type, lat.type))
-    gl.static_print("RESULT", "rope_gather", gl.bank_conflicts(gl.full([BN, 64], 0, gl.float8e4nv, gd._ROPE_LAYOUT).type, rope.type))
-    gl.static_print("RESULT", "nvfp4_gather", gl.bank_conflicts(gl.full([BN, 256], 0, gl.uint8, gd._ROW_LAYOUT).type, pk.type))
+    gl.static_print("RESULT", "lat_gather", gl.bank_conflicts(gl.full([BN, 512], 0, gl.float8e4nv, cg.ROW_LAYOUT).type, lat.type))
+    gl.static_print("RESULT", "rope_gather", gl.bank_conflicts(gl.full([BN, 64], 0, gl.float8e4nv, cg.ROPE_LAYOUT).type, rope.type))
+    gl.static_print("RESULT", "nvfp4_gather", gl.bank_conflicts(gl.full([BN, 256], 0, gl.uint8, cg.ROW_LAYOUT).type, pk.type))
     gl.static_print("RESULT", "cvt_load", gl.bank_conflicts(gl.full([CVT, 256], 0, gl.float8e4nv, gd._CVT_LAYOUT).type, cvt8.type))
     gl.static_print("RESULT", "cvt_store", gl.bank_conflicts(gl.full([CVT, 256], 0, gl.float16, gd._CVT_LAYOUT).type, v16.type))
     gl.static_print("RESULT", "nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, fh._PK_LAYOUT).type, pk4.type))

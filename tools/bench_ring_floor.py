@@ -2,8 +2,8 @@
 """What the few-heads kernel's gather ring alone can read: the decode's pipeline with its math taken out.
 
 bench_gather_floor.py shows the H200 reads random 576-byte rows at ~0.92-1.04 of the copy bandwidth with plain
-loads and many CTAs an SM. The few-heads kernel (one CTA an SM, gluon_decode._gatherer's cp.async into a K ring of
-K_STAGES x 36 KB) reached ~0.67 (docs/history.md v12). This kernel runs the very same `_gatherer` (and, in "convert"
+loads and many CTAs an SM. The few-heads kernel (one CTA an SM, common.gluon.gatherer's cp.async into a K ring of
+K_STAGES x 36 KB) reached ~0.67 (docs/history.md v12). This kernel runs the very same gatherer (and, in "convert"
 mode, the 64-head kernel's e4m3 -> fp16 conversion step `_convert_tile` into a V16 ring, in a warpgroup of its own)
 against a default partition that only waits for each tile and frees it at once:
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE.parent / "benchmarks"))  # bench_gluon
 
 from vllm_kimi_dsa.formats import quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_decode as gd  # noqa: E402
+from vllm_kimi_dsa.kernels.common import gluon as cg  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as gfh  # noqa: E402
 
 BLOCK_N = gfh.BLOCK_N
@@ -80,7 +81,7 @@ if gd.gl is not None:
         """One (split, row): the few-heads kernel's gather ring (and converter) with no consumer math."""
         split = gl.program_id(1)
         row = gl.program_id(2)
-        start, end, num_tiles = gd._split_tiles(counts_ptr, row, split, num_splits, 0, K, _BN)  # even splits
+        start, end, num_tiles = cg.split_tiles(counts_ptr, row, split, num_splits, 0, K, _BN)  # even splits
         lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -109,7 +110,7 @@ if gd.gl is not None:
                 [
                     (_releaser, (bias_s, k_ready, k_empty, v_ready, v_empty, out_ptr, pid, num_tiles,
                                  K_STAGES, V_SLOTS, True)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                    (cg.gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES)),
                     (_converter, (k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
@@ -123,7 +124,7 @@ if gd.gl is not None:
                 [
                     (_releaser, (bias_s, k_ready, k_empty, v_ready, v_empty, out_ptr, pid, num_tiles,
                                  K_STAGES, V_SLOTS, False)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                    (cg.gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES, sc_s, True)),
                 ],
@@ -135,7 +136,7 @@ if gd.gl is not None:
                 [
                     (_releaser, (bias_s, k_ready, k_empty, v_ready, v_empty, out_ptr, pid, num_tiles,
                                  K_STAGES, V_SLOTS, False)),
-                    (gd._gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+                    (cg.gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                     kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                     _BN, K_STAGES)),
                 ],
