@@ -25,10 +25,10 @@ import bench_suite as bs  # noqa: E402
 import peer_fa3  # noqa: E402
 import plot  # noqa: E402
 
-from vllm_kimi_dsa.formats import unpack_nvfp4  # noqa: E402
-from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa import planning  # noqa: E402
+from vllm_kimi_dsa.formats import unpack_nvfp4  # noqa: E402
 from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 CEIL = {"copy_GBps": 4000.0, "bf16_TFLOPs": 800.0, "fp8_TFLOPs": 1600.0}
 
@@ -186,8 +186,8 @@ def test_device_run_steps(tmp_path: Path) -> None:
     """The runner's steps, dry: each "+"-joined step becomes one command with its arguments; the default test list,
     the suite without a carried peer, racecheck's tiny default case, ncu of profile_gluon."""
     r = _device_run(tmp_path, "tests", "+", "tests", "tests/test_gluon_seesaw.py", "-k", "quick", "+", "suite",
-                    "--quick", "+", "memcheck", "+", "racecheck", "+", "racecheck", "tools/racecheck_gluon.py", "seesaw",
-                    "+", "ncu", "--kernel", "few", "+", "py", "-m", "vllm_kimi_dsa", "tune", "--out", "t.json")
+                    "--quick", "+", "memcheck", "+", "racecheck", "+", "racecheck", "tools/racecheck_gluon.py",
+                    "seesaw", "+", "ncu", "--kernel", "few", "+", "py", "-m", "vllm_kimi_dsa", "tune", "--out", "t.json")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 8, lines
@@ -257,14 +257,16 @@ def test_tail_split_call_runs_the_plan_on_row_slices() -> None:
 def test_tl_tail_variant_matches_the_reference(name: str) -> None:
     """bench_few_heads' "triton-tail*" runners (the plain kernel through choose_plan's plan) compute the decode: in the
     interpreter, 10 rows of 16 heads at width 256 (8 whole rows, then 2 split 4 ways on the interpreter's 4 'SMs' x 2
-    CTAs), holes and a count-0 row, outputs poisoned; bound as test_triton_decode's fp8-wgmma-free path (bf16 output)."""
+    CTAs), holes and a count-0 row, outputs poisoned; bound as test_triton_decode's fp8-wgmma-free path (bf16
+    output)."""
     import bench_few_heads as bfh
 
     from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
 
     g = torch.Generator().manual_seed(3)
     fmt, rows, heads, width = bfh._fmt(name), 10, 16, 256
-    assert planning.choose_plan(rows, heads, width, bfh._config(name, heads), kcommon.num_sms(torch.device("cpu"))) == (8, 4)
+    sms = kcommon.num_sms(torch.device("cpu"))
+    assert planning.choose_plan(rows, heads, width, bfh._config(name, heads), sms) == (8, 4)
     kv = quantize_rows(torch.randn(300, 576, generator=g) * 8, fmt)
     q = (torch.randn(rows, heads, 576, generator=g) * 4).to(torch.float8_e4m3fn)
     slots = torch.randint(0, 300, (rows, width), generator=g, dtype=torch.int32)

@@ -26,15 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vllm_kimi_dsa import planning  # noqa: E402
 from vllm_kimi_dsa.bench import ceilings  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
+from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
-from vllm_kimi_dsa import planning  # noqa: E402
-from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20
@@ -95,8 +95,8 @@ def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits: int | None = 
 
 
 def _workspace(name: str, heads: int, rows: int, dev, splits: int = 1) -> kcommon.Workspace:
-    return kcommon.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt=_fmt(name), config=_config(name, heads),
-                             min_entries=rows * splits * heads)
+    return kcommon.make_workspace(dev, heads=heads, max_rows=rows, widths=(K,), fmt=_fmt(name),
+                                  config=_config(name, heads), min_entries=rows * splits * heads)
 
 
 def _time(name: str, heads: int, rows: int, kv, dev, g, splits: int | None = None) -> float:
