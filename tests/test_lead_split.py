@@ -217,3 +217,21 @@ def test_gluon_kernels_lead_splits_match_reference(kind, rows, heads, width, spl
     torch.cuda.synchronize()
     config = gluon_config() if kind in ("seesaw", "gluon") else planning.few_heads_config()
     _check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=config, wgmma=True)
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_split_ranges_tile_each_row(block_n: int) -> None:
+    """planning.split_range (the host twin of every kernel's split range): for even and lead plans the pieces of a
+    row are disjoint, in order, whole tiles but the last, and cover exactly its count tokens (a piece past the row,
+    or past a short row's lead, is empty)."""
+    from vllm_kimi_dsa.planning import split_range
+
+    for count in (0, 1, block_n - 1, block_n, 5 * block_n + 3, 32 * block_n):
+        for splits in (1, 2, 3, 7):
+            for lead in (0, 1, 3, 40) if splits > 1 else (0,):
+                pieces = [split_range(count, s, splits, lead, block_n) for s in range(splits)]
+                covered = [t for start, end in pieces for t in range(start, end)]
+                assert covered == list(range(count)), (count, splits, lead, pieces)
+                assert all(start % block_n == 0 for start, end in pieces if start < end)
+                if lead and count:
+                    assert pieces[0] == (0, min(lead * block_n, count))

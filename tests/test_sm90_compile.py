@@ -154,19 +154,14 @@ def test_latent_store_layout_writes_whole_sectors(dims: int, heads: int, thread_
 
 
 @_NEEDS_GLUON
-@pytest.mark.parametrize("dims_on_m", [False, True])
-def test_wgmma_store_layout_writes_whole_sectors(dims_on_m: bool) -> None:
-    """fp16 split partials from a wgmma accumulator (the 64-head kernel's O, the few-heads kernel's O^T) go through
-    glcommon.wgmma_store_layout: whole 32-byte sectors an instruction, each warp keeping the accumulator's rows;
-    the accumulator's own layout (2 or 1 fp16 a lane along the dims) fails the check."""
-    new = glcommon.wgmma_store_layout(dims_on_m)
-    dims, heads = new.shape
-    if dims_on_m:  # [256 dims (M), 16 heads (N)]: instr m16, 4 warps, 4 repetitions of 64 rows
-        acc_reg, acc_lane, warp = ([[0, 1], [8, 0], [0, 8], [64, 0], [128, 0]],
-                                   [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]])
-    else:  # [64 heads (M), 256 dims (N)] seen as [dims, heads]
-        acc_reg, acc_lane, warp = ([[1, 0], [0, 8], [8, 0], [16, 0], [32, 0], [64, 0], [128, 0]],
-                                   [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 16], [0, 32]])
+def test_wgmma_store_layout_writes_whole_sectors() -> None:
+    """fp16 split partials from the 64-head kernel's wgmma accumulator go through common.gluon.wgmma_store_layout:
+    whole 32-byte sectors an instruction, each warp keeping the accumulator's rows; the accumulator's own layout (2
+    fp16 a lane along the dims) fails the check."""
+    new = glcommon.wgmma_store_layout()
+    # [64 heads (M), 256 dims (N)] seen as [dims, heads]
+    acc_reg, acc_lane, warp = ([[1, 0], [0, 8], [8, 0], [16, 0], [32, 0], [64, 0], [128, 0]],
+                               [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 16], [0, 32]])
     assert new.warp_bases == warp
     assert sorted(map(tuple, new.reg_bases + new.lane_bases)) == sorted(map(tuple, acc_reg + acc_lane))
     assert not _sectors_written_in_part(new.reg_bases, new.lane_bases, 2)

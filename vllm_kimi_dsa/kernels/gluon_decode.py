@@ -14,20 +14,25 @@ import torch
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.host_math import cdiv
-from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
     alloc_fp8_q_and_ring,
     check_warpgroup_regs,
+    fence_async_shared,
     gather_tile,
     gl,
     gluon,
-    gluon_unavailable_reason,
     launch_kernel,
     load_slots,
+    mbarrier,
     normalizers,
+    one_off_call,
     row_split,
     split_tiles,
     store_latent,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
     wgmma_store_layout,
 )
 from vllm_kimi_dsa.planning import Config, gluon_config
@@ -42,15 +47,6 @@ DEFAULT_CVT_ROWS = 32  # rows the producer converts a step: each step ends in a 
 DEFAULT_CONSUMER_REGS = 224
 DEFAULT_PRODUCER_REGS = 56
 
-if gl is not None:
-    from vllm_kimi_dsa.kernels.common.gluon import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
-
 
 if gl is not None:
     _BH = gl.constexpr(BLOCK_H)
@@ -59,7 +55,7 @@ if gl is not None:
 
     @gluon.jit
     def _online_softmax(s, m_tile, m_i, l_i, acc, head_o_layout: gl.constexpr):
-        """One tile of the online softmax in base 2 (as triton_decode._softmax) given the tile's row maxima:
+        """One tile of the online softmax in base 2 (as the plain kernel's) given the tile's row maxima:
         (P, new running max, new running sum, the rescaled accumulator)."""
         m_new = gl.maximum(m_i, m_tile)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -165,7 +161,7 @@ if gl is not None:
         stride_o_row, stride_o_head, stride_lse_row, out_scale,
         HALF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
     ):
-        """Epilogue, as triton_decode._epilogue: a consumer's 256 columns (bf16 out, or the fp32 split partial);
+        """Epilogue, as the plain kernel's: a consumer's 256 columns (bf16 out, or the fp16 split partial);
         consumer 0 also the LSE."""
         DH: gl.constexpr = 256
         head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -188,7 +184,7 @@ if gl is not None:
             base = (row * num_splits + split) * H
             # fp16 partials: 4 bytes a lane from the accumulator's layout (half sectors); stored from whole sectors
             store_latent(gl.permute(o, (1, 0)), part_out_ptr + base.to(gl.int64) * _D + HALF * DH, _D, hb * _BH,
-                         H, wgmma_store_layout(False))
+                         H, wgmma_store_layout())
             if HALF == 0:
                 gl.store(part_lse_ptr + base + offs_h_s, lse2, mask=mask_h_s)
 
@@ -225,7 +221,7 @@ if gl is not None:
     ):
         """The producer warpgroup: iteration it gathers tile it into the K ring, then converts tile it - 1's
         latent e4m3 -> fp16 into V16. (Converting further behind, or loading the slots two tiles ahead after the
-        conversion, measured slower: NOTES v8.)"""
+        conversion, was slower.)"""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         # slots of the next tile to gather, loaded a tile ahead so the load's latency hides behind a conversion
         slot = load_slots(s_base, start, end, 0, BLOCK_N)
@@ -237,9 +233,6 @@ if gl is not None:
                 _convert_tile(k_lat_s, v16_s, k_ready, k_empty, v_ready, v_empty, it - 1,
                               BLOCK_N, K_STAGES, V_SLOTS, CVT_ROWS)
 
-    # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes (latent 2 b in byte b's low nibble, 2 b + 1 in its high
-    # one), 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320 (block s at 320 + 8 (s & 3) + (s >> 2)).
-    # Scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def gluon_decode_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
@@ -255,7 +248,7 @@ if gl is not None:
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
     ):
-        """One (64-head block, KV split, row), as triton_decode._decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
+        """One (64-head block, KV split, row), as triton_decode.decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
         row, split = row_split(num_splits, lead_tiles)
 
@@ -330,7 +323,7 @@ if gl is not None:
 
 @dataclass(frozen=True)
 class GluonParams:
-    """Compile-time shape of the Gluon kernel (defaults: the fastest measured on the H200, NOTES_triton_decode.md)."""
+    """Compile-time shape of the 64-head Gluon kernel (the defaults are the shipped shape)."""
 
     block_n: int = DEFAULT_BLOCK_N  # tokens a tile: 64 or 32
     k_stages: int = DEFAULT_K_STAGES  # K ring depth
@@ -403,19 +396,11 @@ def gluon_sparse_mla_decode(
     block_n .. producer_regs: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
-    check_lead(lead_tiles)
-    reason = gluon_unavailable_reason(query.device)
-    if reason:
-        raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
-    check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
-    rows, heads = query.shape[0], query.shape[1]
-    if heads <= 32:
-        raise ValueError(f"query must have > 32 heads for the 64-head Gluon kernel, got {heads}")
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
                          consumer_regs=consumer_regs, producer_regs=producer_regs)
-    cfg = params.config()
-    if rows == 0:  # nothing to launch (and no workspace to size)
-        return None
-    workspace, splits = one_off_scratch(query, slots, "fp8", cfg, workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
-                  lead_tiles)
+    return one_off_call(launch, params, "fp8", _bad_heads, query, kv_rows, slots, counts, out, lse, softmax_scale,
+                        output_scale, workspace, splits, lead_tiles)
+
+
+def _bad_heads(heads: int) -> str:
+    return "" if heads > 32 else f"query must have > 32 heads for the 64-head Gluon kernels, got {heads}"

@@ -16,21 +16,26 @@ import torch
 import triton
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
-from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
     alloc_fp8_q_and_ring,
+    fence_async_shared,
     gatherer,
     gl,
     gluon,
-    gluon_unavailable_reason,
     latent_store_layout,
     launch_kernel,
+    mbarrier,
     normalizers,
+    one_off_call,
     row_split,
     split_tiles,
     store_latent,
     store_q,
     store_q_rope,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
 from vllm_kimi_dsa.planning import Config
@@ -46,15 +51,8 @@ SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
 DEFAULT_CVT_ROWS = 32
 
-if gl is not None:
-    from vllm_kimi_dsa.kernels.common.gluon import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
 
+if gl is not None:
     _D = gl.constexpr(LATENT_DIM)
     _BN = gl.constexpr(BLOCK_N)
 
@@ -270,7 +268,7 @@ if gl is not None:
 
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
-        """Online softmax in base 2 down the tokens (axis 0), as triton_decode._softmax with SWAP: the tile's P,
+        """Online softmax in base 2 down the tokens (axis 0), as the plain kernel's with SWAP: the tile's P,
         the new running max, the per-thread row-sum shares and O^T rescaled."""
         s = s * qk_scale + gl.expand_dims(bias, 1)
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
@@ -294,7 +292,7 @@ if gl is not None:
     def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                       BH: gl.constexpr):
-        """As triton_decode._epilogue for the nvfp4 consumer: O^T (acc0 / acc1: latent dims 2 d and 2 d + 1)
+        """As the plain kernel's epilogue for the nvfp4 consumer: O^T (acc0 / acc1: latent dims 2 d and 2 d + 1)
         normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -350,7 +348,7 @@ if gl is not None:
 
     # The nvfp4 conversion's view (rows, r 8, q 4, e 8) of the packed bytes: 16 lanes read 128 contiguous bytes of
     # a row (8 a lane) and 8 lanes store 64 fp16 of a V16 row, both conflict-free (16 bytes a lane on rows r, r + 1
-    # took two wavefronts a load: NOTES v12). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
+    # took two wavefronts a load). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
     _PK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [2, 4, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
 
     @gluon.jit
@@ -457,7 +455,7 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
     ):
-        """One (head block, split, row): triton_decode._decode_kernel with SWAP and BLOCK_H = BH."""
+        """One (head block, split, row): triton_decode.decode_kernel with SWAP and BLOCK_H = BH."""
         row, split = row_split(num_splits, lead_tiles)
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
@@ -615,19 +613,12 @@ def few_heads_sparse_mla_decode(
     Other arguments (lead_tiles too) as triton_decode.sparse_mla_decode; workspace from
     make_workspace(config=params.config()). Returns the compiled kernel handle.
     """
-    check_lead(lead_tiles)
-    reason = gluon_unavailable_reason(query.device)
-    if reason:
-        raise RuntimeError(f"the Gluon decode kernel cannot run here: {reason}")
     params = params or reg_v_params()
-    fmt = "nvfp4_ds_mla" if params.nvfp4 else "fp8"
-    check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
-    rows, heads = query.shape[0], query.shape[1]
-    if heads > MAX_HEADS:
-        raise ValueError(f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}")
-    cfg = params.config()
-    if rows == 0:  # nothing to launch (and no workspace to size)
-        return None
-    workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
-                  lead_tiles)
+    return one_off_call(launch, params, "nvfp4_ds_mla" if params.nvfp4 else "fp8", _bad_heads, query, kv_rows, slots,
+                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles)
+
+
+def _bad_heads(heads: int) -> str:
+    if heads <= MAX_HEADS:
+        return ""
+    return f"query must have at most {MAX_HEADS} heads for the few-heads Gluon kernel, got {heads}"

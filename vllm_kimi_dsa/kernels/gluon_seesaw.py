@@ -13,35 +13,33 @@ from typing import Any
 
 from vllm_kimi_dsa.formats import HEAD_DIM
 from vllm_kimi_dsa.host_math import cdiv
-from vllm_kimi_dsa.kernels.common import LN2, Workspace, check_inputs, check_lead, one_off_scratch
+from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
     alloc_fp8_q_and_ring,
     check_warpgroup_regs,
+    fence_async_shared,
     gatherer,
     gl,
-    gluon_unavailable_reason,
+    gluon,
     latent_store_layout,
     launch_kernel,
+    mbarrier,
+    one_off_call,
     row_split,
     split_tiles,
     store_latent,
     store_q,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 from vllm_kimi_dsa.planning import Config, gluon_config
 from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_H as BLOCK_H
 
 BLOCK_N = 64  # tokens a tile
 
-if gl is not None:
-    from vllm_kimi_dsa.kernels.common.gluon import (
-        fence_async_shared,
-        gluon,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
 
+if gl is not None:
     _BH = gl.constexpr(BLOCK_H)
     _BN = gl.constexpr(BLOCK_N)
     # S = Q K^T: 64 heads x 64 tokens (a row's max within a lane quad); O^T: 256 latent dims x 64 heads a consumer
@@ -146,7 +144,7 @@ if gl is not None:
     def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
                   num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
-        out (bf16) or the split partial (fp32), and (consumer 0) the LSE, as triton_decode._epilogue."""
+        out (bf16) or the split partial (fp16), and (consumer 0) the LSE, as the plain kernel's epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
         mbarrier.arrive(l_ready.index(0))
@@ -282,10 +280,7 @@ class SeesawParams:
     pv_in_flight: int = 2
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
-    producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 measured 1-3% slower)
-    # Measured and removed (NOTES v16 / v17, H200, 320 rows): the non-owner issuing its next tile's Q.K before the
-    # other's P (S's 32 registers held across P.V: 367-476 µs), and the next Q.K and softmax before the other's max
-    # (P' rescaled after: 361-368 µs), against 344-345 for this order.
+    producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 was slower)
 
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
@@ -322,17 +317,9 @@ def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: fl
     (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
     from triton_decode.make_workspace with params.config(); None allocates one: tests only; lead_tiles as
     triton_decode.sparse_mla_decode's)."""
-    check_lead(lead_tiles)
-    reason = gluon_unavailable_reason(query.device)
-    if reason:
-        raise RuntimeError(f"the seesaw Gluon decode kernel cannot run here: {reason}")
-    check_inputs(query, kv_rows, slots, counts, "fp8", out, lse)
-    rows, heads = query.shape[0], query.shape[1]
-    if heads <= 32:
-        raise ValueError(f"query must have > 32 heads for the 64-head seesaw kernel, got {heads}")
-    params = params or SeesawParams()
-    if rows == 0:
-        return None
-    workspace, splits = one_off_scratch(query, slots, "fp8", params.config(), workspace, splits)
-    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
-                  lead_tiles)
+    return one_off_call(launch, params or SeesawParams(), "fp8", _bad_heads, query, kv_rows, slots, counts, out, lse,
+                        softmax_scale, output_scale, workspace, splits, lead_tiles)
+
+
+def _bad_heads(heads: int) -> str:
+    return "" if heads > 32 else f"query must have > 32 heads for the 64-head seesaw kernel, got {heads}"

@@ -120,7 +120,7 @@ def _e2m1_pairs_ptx(packed):
     The 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are float16 values whose low byte is 0, so their high bytes
     (00 38 3C 3E 40 42 44 46) form an 8-entry byte table that one `prmt` indexes with 4 magnitude nibbles;
     the sign bits are moved beside them with a second `prmt`, and a third spreads the bytes into fp16 halves.
-    ~2 instructions a value where the bit arithmetic of `_e2m1_to_f16` takes ~15 (SASS, benchmarks/NOTES).
+    ~2 instructions a value where the bit arithmetic of `_e2m1_to_f16` takes ~15 (SASS).
     `_e2m1_to_f16` is the twin the interpreter runs; tests compare both on all 256 bytes.
     """
     return tl.inline_asm_elementwise(

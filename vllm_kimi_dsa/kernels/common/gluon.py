@@ -12,7 +12,7 @@ import torch
 import triton
 
 from vllm_kimi_dsa.kernels.common.combine import LOG2E, combine
-from vllm_kimi_dsa.kernels.common.workspace import Workspace, scratch
+from vllm_kimi_dsa.kernels.common.workspace import Workspace, check_inputs, check_lead, one_off_scratch, scratch
 
 # Triton versions whose Gluon API the kernels are written against: 3.6 and 3.8 both compile them offline for
 # sm_90a (warp_specialize's signature moved in 3.6)
@@ -32,8 +32,8 @@ try:  # Gluon is experimental: absent from old Triton, its API moves between rel
 
     _GLUON_IMPORT_ERROR: str | None = None
 except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
-    gluon = None
-    gl = None
+    gluon = gl = async_copy = mbarrier = fence_async_shared = None
+    warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
     _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
@@ -118,11 +118,33 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
     )
 
 
+def one_off_call(launch: Any, params: Any, fmt: str, bad_heads: Any, query, kv_rows, slots, counts, out, lse,
+                 softmax_scale: float, output_scale: float, workspace: Workspace | None, splits: int | None,
+                 lead_tiles: int) -> Any:
+    """One call of a Gluon kernel module's launch with these params (tests, benchmarks): lead_tiles, Gluon on this
+    device, the inputs and bad_heads(heads) (a message, '' when the kernel takes them) checked, in that order; a
+    workspace made for the call when none is given (it allocates: not for the hot path). Returns the compiled
+    kernel handle, None for 0 rows."""
+    check_lead(lead_tiles)
+    reason = gluon_unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"the Gluon decode kernels cannot run here: {reason}")
+    check_inputs(query, kv_rows, slots, counts, fmt, out, lse)
+    message = bad_heads(query.shape[1])
+    if message:
+        raise ValueError(message)
+    if query.shape[0] == 0:  # nothing to launch (and no workspace to size)
+        return None
+    workspace, splits = one_off_scratch(query, slots, fmt, params.config(), workspace, splits)
+    return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
+                  lead_tiles)
+
+
 if gl is not None:
     @gluon.jit
     def normalizers(l_i, m_i):
         """1 / l (0 where l = 0: a count-0 or all-hole split) and the base-2 LSE (-inf there) of the row sums: every
-        Gluon epilogue's (as triton_decode._epilogue's)."""
+        Gluon epilogue's (as the plain kernel's)."""
         has = l_i > 0.0
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         return inv, gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
@@ -135,7 +157,7 @@ if gl is not None:
         memory): a lane holds 16 contiguous bytes of a head and 8 lanes 128 contiguous bytes, so every store
         instruction writes whole 32-byte sectors. From the thread-native layout a 16-byte store covered half (or a
         quarter) of each sector it touched, and the next instruction the rest: 2-4x the sector writes, paid at the
-        end of every split CTA (its fp32 partial; NOTES v18)."""
+        end of every split CTA (its partial)."""
         vec = 16 // elem_bytes
         if heads < 8 or thread_dims % vec:
             raise ValueError(f"latent_store_layout: heads {heads} < 8 or thread_dims {thread_dims} not a multiple "
@@ -149,18 +171,11 @@ if gl is not None:
                                           shape=[dims, heads])
 
     @triton.constexpr_function
-    def wgmma_store_layout(dims_on_m):
-        """latent_store_layout's counterpart for fp16 stores straight from a wgmma accumulator (warps [4, 1], m16),
-        seen as [dims, heads]: the 64-head kernel's O (64 heads on M, 256 dims on N; transposed) or the few-heads
-        kernel's O^T (dims_on_m: 256 dims on M, 16 heads on N). In the accumulator a lane holds 2 adjacent dims
-        (heads on M) or 1 (dims on M): 4 or 2 bytes a lane, half sectors at best. Here each lane holds 8 contiguous
-        dims (16 bytes) and 4 (2) lanes a head's 64 (32) contiguous bytes; the warps keep their rows, so the
-        conversion is warp shuffles."""
-        if dims_on_m:  # source: reg [0,1] [8,0] [0,8] [64,0] [128,0], lanes [0,2] [0,4] [1,0] [2,0] [4,0]
-            return gl.DistributedLinearLayout(
-                reg_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [128, 0]],
-                lane_bases=[[8, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
-                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[256, 16])
+    def wgmma_store_layout():
+        """latent_store_layout's counterpart for fp16 stores straight from the 64-head kernel's wgmma accumulator
+        (warps [4, 1], m16: 64 heads on M, 256 dims on N), seen as [dims, heads]. In the accumulator a lane holds 2
+        adjacent dims, 4 bytes, half sectors at best; here each lane holds 8 contiguous dims (16 bytes) and 4 lanes a
+        head's 64 contiguous bytes; the warps keep their rows, so the conversion is warp shuffles."""
         # source: reg [1,0] [0,8] [8,0] [16,0] [32,0] [64,0] [128,0], lanes [2,0] [4,0] [0,1] [0,2] [0,4]
         return gl.DistributedLinearLayout(
             reg_bases=[[1, 0], [2, 0], [4, 0], [0, 8], [32, 0], [64, 0], [128, 0]],
@@ -179,9 +194,9 @@ if gl is not None:
         gl.store(ptrs, o.to(base_ptr.dtype.element_ty), mask=mask)
 
     # Shared-memory wavefronts of 16-byte accesses are served 8 lanes at a time: those 8 lanes must hit 8
-    # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, the layout before NOTES
-    # v12) took two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the
-    # few-heads kernel's shared-memory wavefronts, the resource that kernel runs out of first (ncu). Now 8 lanes
+    # distinct 16-byte bank groups. Lanes 8 rows x 4 (rows r, r + 1 on the same 64 bytes, an earlier layout) took
+    # two wavefronts an access on the 128-byte-swizzled latent gathers and conversion loads: 20% of the few-heads
+    # kernel's shared-memory wavefronts, the resource that kernel runs out of first (ncu). Now 8 lanes
     # move 128 contiguous bytes of one row. The RoPE (64-byte rows) is gathered 8 bytes a lane with the same rows
     # a thread, so one slot vector serves both; the conversion reads 8 e4m3 and writes 8 fp16 a lane (16 lanes
     # across a row) so that both its loads and its fp16 stores are conflict-free. tests/test_sm90_compile checks
@@ -223,6 +238,8 @@ if gl is not None:
         async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
         mbarrier.arrive(k_ready.index(stage))
 
+    # nvfp4_ds_mla rows (formats.py): 256 packed e2m1 bytes, 64 RoPE e4m3 bytes at 256, 32 e4m3 block scales at 320;
+    # scales are gathered 16 rows x 32 bytes a warp instruction (2 lanes a row)
     SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
 
     @gluon.jit
@@ -260,12 +277,11 @@ if gl is not None:
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, sc_s=None, NVFP4: gl.constexpr = False,
     ):
-        """The gathers of _producer in a warpgroup of their own (the conversions in _converter's), each tile's
-        cp.async issued as soon as its K stage is free. Slots come in groups of 4 tiles (4 registers a tile): a
-        group's loads are issued right after the previous group's first gather, so the first use of a group waits
-        on loads ~3 tiles old. Loaded one tile at a time (4 ahead, in rotation), the first use of each tile's slots
-        waited on the load issued one iteration before (SASS waits on a load scoreboard the newer loads share):
-        the `slot >= 0` test took most of the kernel's stall samples.)"""
+        """A gatherer warpgroup (the few-heads and seesaw kernels'): each tile's cp.async issued as soon as its K stage
+        is free (NVFP4: gather_tile_nvfp4's stage buffers, sc_s the scales). Slots come in groups of 4 tiles (4
+        registers a tile): a group's loads are issued right after the previous group's first gather, so the first
+        use of a group waits on loads ~3 tiles old (loaded a tile ahead, the `slot >= 0` test waited on a load
+        scoreboard the newer loads share)."""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         slot0 = load_slots(s_base, start, end, 0, BLOCK_N)
         slot1 = load_slots(s_base, start, end, 1, BLOCK_N)
@@ -316,7 +332,7 @@ if gl is not None:
 
     @gluon.jit
     def split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N: gl.constexpr):
-        """(start, end, tiles) of this split's token range, as triton_decode._split_range (lead_tiles > 0: the first
+        """(start, end, tiles) of this split's token range, as the plain kernel's and planning.split_range (lead_tiles > 0: the first
         piece takes that many tiles, the other num_splits - 1 the rest evenly)."""
         count = gl.load(counts_ptr + row)
         count = gl.minimum(gl.maximum(count, 0), K)
@@ -336,8 +352,8 @@ if gl is not None:
 
     @gluon.jit
     def row_split(num_splits, lead_tiles):
-        """(row, split) of this CTA on grid (head blocks, splits, rows), as triton_decode._row_split: split-major
-        when lead_tiles > 0, so every row's first (long) piece is dispatched before any short one."""
+        """(row, split) of this CTA on grid (head blocks, splits, rows), read split-major when lead_tiles > 0, so
+        every row's first (long) piece is dispatched before any short one."""
         split = gl.program_id(1)
         row = gl.program_id(2)
         if lead_tiles > 0:
