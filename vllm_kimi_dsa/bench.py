@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
+from vllm_kimi_dsa import cli_types
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, FP8_ROW_BYTES, pack_nvfp4
 from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
 
@@ -590,31 +591,6 @@ def summary_table(results: list[dict[str, Any]], rows_show: tuple[int, ...] = (1
     return "\n".join(lines)
 
 
-def batch_sizes(text: str) -> tuple[int, ...]:
-    """A comma-separated list of batch sizes (argparse type): each an int >= 1, at least one."""
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, got {text!r}")
-    return values
-
-
-def _head_counts(text: str) -> tuple[int, ...]:
-    """A comma-separated list of head counts (argparse type), each one the core supports."""
-    from vllm_kimi_dsa.heads import SUPPORTED_HEADS
-
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    bad = [h for h in values if h not in SUPPORTED_HEADS]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"expected head counts among {SUPPORTED_HEADS}, got {text!r}")
-    return values
-
-
 def _peer_kvs(text: str) -> tuple[str, ...]:
     """A comma-separated list of the peer's KV dtypes (argparse type)."""
     values = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -639,8 +615,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="a subset (< 60 s on an H200)")
     ap.add_argument("--no-peer", action="store_true", help="skip FlashInfer's fa3 peer")
     ap.add_argument("--peer-kv", type=_peer_kvs, default=None, help="peer KV dtypes (default bf16,fp8; quick: bf16)")
-    ap.add_argument("--rows", type=batch_sizes, default=None, help="override the batch sizes, comma-separated")
-    ap.add_argument("--heads", type=_head_counts, default=None, help="override the head counts, comma-separated")
+    ap.add_argument("--rows", type=cli_types.batch_sizes, default=None, help="override the batch sizes, comma-separated")
+    ap.add_argument("--heads", type=cli_types.head_counts, default=None, help="override the head counts, comma-separated")
     ap.add_argument("--reps-time", type=_positive_float, default=None, help="seconds of graph replays per point")
     ap.add_argument("--even", action="store_true",
                     help="also triton-even/fp8: the same kernel objects planned without lead plans (an A/B)")
