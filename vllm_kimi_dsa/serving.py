@@ -119,6 +119,13 @@ def planned_rows(vllm_config: Any) -> tuple[int, tuple[int, ...]]:
     return max_rows, tuple(sorted({c for c in capture if c <= max_rows} | {max_rows}))
 
 
+def prepare_trtllm_workspace(impl: Any, layer: Any, kernels: Mapping[int, str], device: torch.device) -> None:
+    """Set the impl's trtllm-gen workspace now when the table runs trtllm (vLLM sets it on the first forward)."""
+    if "trtllm" in kernels.values() and getattr(impl, "_workspace_buffer", None) is None:
+        if hasattr(impl, "_prepare_mqa_kernel"):
+            impl._prepare_mqa_kernel(layer, device)
+
+
 _BUFFERS: dict[tuple[Any, ...], SharedBuffers] = {}
 
 
@@ -146,18 +153,14 @@ class LayerStep:
         layer: Any,
         shape: StepShape,
         kernels: Mapping[int, str] | None = None,
-        *,
-        table: str | os.PathLike[str] | None = None,
     ) -> None:
         self.shape = shape
         rows = range(1, shape.max_rows + 1)
         self.kernels = kernel_table(
             rows, dcp=shape.dcp, heads=shape.heads, kv_cache_dtype=shape.fmt, device=shape.device,
-            table=kernels if kernels is not None else table,
+            table=kernels,
         )
-        if "trtllm" in self.kernels.values() and getattr(impl, "_workspace_buffer", None) is None:
-            # vLLM sets trtllm-gen's workspace lazily on the first forward; the core needs it now.
-            impl._prepare_mqa_kernel(layer, shape.device)
+        prepare_trtllm_workspace(impl, layer, self.kernels, shape.device)
         self.buffers = shared_buffers(shape)
         self.core = FlashInferCore(
             impl, layer, shape.heads, self.buffers.as_tuple(), self.kernels,
@@ -212,4 +215,4 @@ class LayerStep:
         return self.core.decode(query, kv_cache, slots, counts, block_size)
 
 
-__all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "planned_rows", "shared_buffers"]
+__all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "planned_rows", "prepare_trtllm_workspace", "shared_buffers"]

@@ -79,6 +79,12 @@ def core_rejects(
     return None
 
 
+def vllm_path_takes(capability: DeviceCapability, kv_cache_dtype: str | None) -> bool:
+    """Whether vLLM's own FlashInferMLASparseImpl code runs a layer the core refuses: on Blackwell only, and never
+    nvfp4_ds_mla, which no FlashInfer-backend kernel but the core's reads. Elsewhere a refusal is an error."""
+    return capability.major == BLACKWELL and kv_cache_dtype != "nvfp4_ds_mla"
+
+
 def _query_heads(vllm_config: Any) -> int | None:
     """Heads per row of the decode query: heads per TP rank, times the DCP size (vLLM gathers heads under DCP)."""
     model_config = getattr(vllm_config, "model_config", None)
@@ -140,9 +146,7 @@ class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
             heads=_query_heads(vllm_config),
             hisparse=_uses_hisparse(vllm_config),
         )
-        # Hopper has no other kernel here; on Blackwell vLLM's own path takes what the core does not, except
-        # nvfp4_ds_mla, which no FlashInfer-backend kernel but the core's reads.
-        if why is not None and (device_capability.major == HOPPER or kv_cache_dtype == "nvfp4_ds_mla"):
+        if why is not None and not vllm_path_takes(device_capability, kv_cache_dtype):
             return f"{cls.get_name()} (vllm_kimi_dsa) on SM{device_capability.to_int()}: {why}"
         return None
 
@@ -164,7 +168,6 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
         capability = vllm.platforms.current_platform.get_device_capability()
         if capability is None:
             raise ValueError("FLASHINFER_MLA_SPARSE (vllm_kimi_dsa) needs a CUDA device with a compute capability")
-        self._capability = capability
         why = core_rejects(
             capability=capability,
             kv_cache_dtype=self.kv_cache_dtype,
@@ -172,7 +175,7 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             heads=self.num_heads * self.dcp_world_size,
             hisparse=isinstance(self.index_group, HiSparseMLAIndexGroup),
         )
-        if why is not None and (capability.major != BLACKWELL or self.kv_cache_dtype == "nvfp4_ds_mla"):
+        if why is not None and not vllm_path_takes(capability, self.kv_cache_dtype):
             raise ValueError(f"FLASHINFER_MLA_SPARSE (vllm_kimi_dsa) on SM{capability.to_int()}: {why}")
         self.served_by_core = why is None
         if self.served_by_core:
@@ -258,4 +261,5 @@ __all__ = [
     "KimiDSAFlashInferMLASparseImpl",
     "NVFP4_WRITER_NEEDS_SM100",
     "core_rejects",
+    "vllm_path_takes",
 ]

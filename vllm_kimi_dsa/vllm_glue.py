@@ -13,7 +13,7 @@ from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.dcp import LOG2_E
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import SharedBuffers, kernel_table, planned_rows
+from vllm_kimi_dsa.serving import SharedBuffers, kernel_table, planned_rows, prepare_trtllm_workspace
 
 logger = init_logger(__name__)
 
@@ -170,11 +170,8 @@ class KimiDSACores:
             device=self.device,
             table=kernels if kernels is not None else table,
         )
-        if "trtllm" in self.kernels.values():
-            for impl, layer in pairs:
-                # vLLM sets the trtllm-gen workspace lazily on the first forward; the core needs it now.
-                if getattr(impl, "_workspace_buffer", None) is None and hasattr(impl, "_prepare_mqa_kernel"):
-                    impl._prepare_mqa_kernel(layer, self.device)
+        for impl, layer in pairs:
+            prepare_trtllm_workspace(impl, layer, self.kernels, self.device)
 
         h, k = self.heads, self.width
         self.buffers = SharedBuffers.make(self.max_rows, h, k, self.return_lse, self.device)
@@ -278,14 +275,10 @@ def register() -> None:
     envs.register_with_vllm()
     enabled = envs.backend_enabled()
     envs.gluon_choice()  # a bad value raises here, at startup, not in the first decode step
-    path = envs.kernel_table_path()
-    if path and enabled:
+    if enabled:
         from vllm_kimi_dsa import selection
 
-        try:
-            selection.load_kernel_table(path)
-        except ValueError as err:
-            raise ValueError(f"{envs.KERNEL_TABLE}: {err}") from None
+        selection.active_kernel_table()  # reads the VLLM_KIMI_DSA_KERNEL_TABLE file once; a bad one raises, naming it
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     except ImportError:  # called outside vLLM (vLLM itself only calls it where it is installed)
