@@ -395,15 +395,16 @@ def selected_bounds(query: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Ten
 
 def uses_fp8_wgmma(kernel: Any, fmt: str, device: torch.device) -> bool:
     """Whether the "triton" DecodeKernel runs Q.K on Hopper's fp8 wgmma (tests/conftest.fp8_wgmma_dims): fp8, on a
-    GPU, a config without fp16 Q.K whose tiles are >= 64 heads or transposed; the Gluon nvfp4 kernel runs its RoPE
+    GPU, a config planning.qk_on_fp8_wgmma names (tiles of >= 64 heads or transposed dots); the Gluon nvfp4 kernel runs its RoPE
     dims there (bounded here over all dims: looser, still valid)."""
     if device.type != "cuda":
         return False  # the interpreter sums in fp32
     if getattr(getattr(kernel, "gluon", None), "nvfp4", False):
         return True
     config = getattr(kernel, "config", None)
-    return (config is not None and fmt == "fp8" and not config.qk_f16
-            and (config.block_h >= 64 or config.swap))
+    from vllm_kimi_dsa.planning import qk_on_fp8_wgmma
+
+    return config is not None and qk_on_fp8_wgmma(config, fmt)
 
 
 def hand_weights(lses: Sequence[torch.Tensor], counts: Sequence[torch.Tensor]) -> torch.Tensor:

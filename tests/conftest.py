@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
+from vllm_kimi_dsa.planning import qk_on_fp8_wgmma  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
 # the Gluon kernels' GPU tests: skipped, with the reason, where Gluon cannot run (CPU CI, other GPUs, other Triton)
@@ -76,9 +77,7 @@ ROPE_DIMS = slice(LATENT_DIM, HEAD_DIM)
 
 def fp8_wgmma(config, fmt: str) -> bool:
     """Whether a triton-kernel config runs Q.K on Hopper's fp8 wgmma (on a GPU; the interpreter sums in fp32)."""
-    return (
-        torch.cuda.is_available() and fmt == "fp8" and not config.qk_f16 and (config.block_h >= 64 or config.swap)
-    )
+    return torch.cuda.is_available() and qk_on_fp8_wgmma(config, fmt)
 
 
 def fp8_wgmma_dims(kernel, fmt: str) -> slice | None:

@@ -5,7 +5,7 @@ cost: the plan model (Config, even / tail-split / lead plans, plan tables); conf
 
 from __future__ import annotations
 
-from vllm_kimi_dsa.planning.configs import default_config, few_heads_config, gluon_config
+from vllm_kimi_dsa.planning.configs import default_config, few_heads_config, gluon_config, qk_on_fp8_wgmma
 from vllm_kimi_dsa.planning.cost import (
     Config,
     choose_lead,
@@ -18,4 +18,4 @@ from vllm_kimi_dsa.planning.cost import (
 )
 
 __all__ = ["Config", "choose_lead", "choose_plan", "choose_splits", "default_config", "few_heads_config",
-           "gluon_config", "plan_cost", "plan_table", "split_entries", "split_range"]
+           "gluon_config", "plan_cost", "plan_table", "qk_on_fp8_wgmma", "split_entries", "split_range"]

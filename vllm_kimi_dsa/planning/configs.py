@@ -23,6 +23,12 @@ FEW_SPLIT_TILES = 2.0
 TWO_CTA_TILE_COST = {1: 1.15, 2: 1.3}
 
 
+def qk_on_fp8_wgmma(config: Config, fmt: CacheFormat) -> bool:
+    """Whether a config's Q.K runs on Hopper's fp8 wgmma without promotion (64-head tiles or transposed dots on an
+    fp8 cache): its logits then carry the wgmma accumulator's rounding, which tests and checks bound."""
+    return normalize_format(fmt) == "fp8" and (config.block_h >= 64 or config.swap)
+
+
 def default_config(heads: int, fmt: CacheFormat) -> Config:
     """The plain `tl` kernel's fixed config by (heads, fmt).
 
