@@ -17,13 +17,16 @@ from vllm_kimi_dsa.formats import (
     FP8_ROW_BYTES,
     HEAD_DIM,
     LATENT_DIM,
+    NVFP4_ROPE_OFFSET,
     NVFP4_ROW_BYTES,
+    NVFP4_SCALE_OFFSET,
     cache_dtype,
     dequantize_fp8,
     dequantize_rows,
     flat_kv_row_view,
     make_paged_cache,
     normalize_format,
+    nvfp4_as_fp8,
     pack_nvfp4,
     quantize_fp8,
     quantize_rows,
@@ -286,6 +289,43 @@ def test_nvfp4_round_trip_bound(seed, log_mag, spread):
     assert torch.all(rope_err[normal_rope] <= 2.0**-4 * rope[normal_rope] * (1 + 1e-6))
     assert torch.all(rope_err[rope < 2.0**-6] <= 2.0**-10 * (1 + 1e-6))
     assert torch.all(back[:, LATENT_DIM:][rope > 448].abs() == 448)
+
+
+def _e4m3_finite_values() -> torch.Tensor:
+    """Every finite e4m3 value (bytes 0x00..0x7e and their negatives), from the bit fields, not torch's cast."""
+    vals = []
+    for b in range(0x7F):
+        e, m = b >> 3, b & 7
+        vals.append(m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    v = torch.tensor(vals, dtype=torch.float64)
+    return torch.cat([v, -v])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nvfp4_as_fp8_rounds_each_value_once_to_nearest_e4m3(seed):
+    """nvfp4_as_fp8 (what the few-heads kernel's e4m3 form computes with): each latent value the e4m3 nearest to
+    e2m1 x scale (ties to an even mantissa), found here by brute force over every finite e4m3; RoPE bytes as is;
+    values past 448 saturate. Tiny and huge blocks included (scales at the 2**-9 floor and past 74)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, HEAD_DIM, generator=g) * torch.logspace(-4, 2.5, 64).unsqueeze(1)
+    x[3, :16] *= 10.0  # a block whose products pass 448
+    rows = pack_nvfp4(x)
+    exact = unpack_nvfp4(rows).double()
+    got = nvfp4_as_fp8(rows)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (64, HEAD_DIM)
+    grid = _e4m3_finite_values()
+    lat = exact[:, :LATENT_DIM].reshape(-1)
+    dist = (lat.unsqueeze(1) - grid.unsqueeze(0)).abs()
+    best = dist.min(dim=1).values
+    g_lat = got[:, :LATENT_DIM].double().reshape(-1)
+    assert torch.equal((g_lat - lat).abs()[lat.abs() <= 448], best[lat.abs() <= 448])
+    assert torch.equal(g_lat[lat.abs() > 448].abs(), torch.full_like(g_lat[lat.abs() > 448], 448.0))
+    assert (lat.abs() > 448).any() and (lat.abs() < 2.0**-6).any()
+    # ties go to the even mantissa: scale 1.125 (amax 6.75) x 6 = 6.75 -> 7, x 1.5 = 1.6875 -> 1.75, x 3 -> 3.5
+    tie = torch.zeros(1, HEAD_DIM)
+    tie[0, :3] = torch.tensor([6.75, 1.6875, -3.375])
+    assert nvfp4_as_fp8(pack_nvfp4(tie))[0, :3].float().tolist() == [7.0, 1.75, -3.5]
+    assert torch.equal(got[:, LATENT_DIM:].view(torch.uint8), rows[:, NVFP4_ROPE_OFFSET:NVFP4_SCALE_OFFSET])
 
 
 def test_nvfp4_leading_dims_and_dispatch():

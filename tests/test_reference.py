@@ -19,7 +19,7 @@ from vllm_kimi_dsa.formats import (
     quantize_rows,
     scale_byte,
 )
-from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.reference import reference_decode, source_reference_decode
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -139,6 +139,25 @@ def test_matches_loop(case):
         assert torch.equal(out[i], torch.zeros_like(out[i]))
         assert torch.all(lse[i] == -math.inf)
     assert torch.isfinite(lse[0]).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c.fmt}-r{c.rows}-h{c.heads}")
+def test_source_reference_is_the_loop_on_float_rows(case):
+    """source_reference_decode on the float rows a cache decodes to is reference_decode on the cache; on the rows the
+    cache was quantized from it differs by the format's quantization error (nonzero), not by a layout fault."""
+    from vllm_kimi_dsa.formats import dequantize_rows
+
+    query, kv_rows, slots, counts = _build(case)
+    ss, os_ = 0.7 / math.sqrt(HEAD_DIM), 1.3
+    want = reference_decode(query, kv_rows, slots, counts, fmt=case.fmt, softmax_scale=ss, output_scale=os_)
+    got = source_reference_decode(query, dequantize_rows(kv_rows, case.fmt), slots, counts, softmax_scale=ss,
+                                  output_scale=os_)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    noisy = dequantize_rows(kv_rows, case.fmt) * (1 + 0.01 * torch.randn(kv_rows.shape[0], HEAD_DIM))
+    off = source_reference_decode(query, noisy, slots, counts, softmax_scale=ss, output_scale=os_)[0]
+    assert 0 < float((off - want[0]).norm() / want[0].norm()) < 0.05
+    with pytest.raises(ValueError, match="source_rows"):
+        source_reference_decode(query, kv_rows, slots, counts, softmax_scale=ss, output_scale=os_)
 
 
 def test_ids_past_counts_and_holes_matter():

@@ -51,6 +51,10 @@ def conflicts(p, BN: gl.constexpr, CVT: gl.constexpr):
     gl.static_print("RESULT", "nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, fh._PK_LAYOUT).type, pk4.type))
     half = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.float16, fh._PK_LAYOUT), [CVT, 256])
     gl.static_print("RESULT", "nvfp4_cvt_store", gl.bank_conflicts(half.type, v16.type))
+    # the e4m3 converter's stores: 8 e4m3 pairs a lane into the fp8 K stage viewed as uint16 pairs
+    e4m3 = gl.allocate_shared_memory(gl.uint16, [CVT, 256], fh._V16_LAYOUT)
+    pairs = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.uint16, fh._PK_LAYOUT), [CVT, 256])
+    gl.static_print("RESULT", "e4m3_cvt_store", gl.bank_conflicts(pairs.type, e4m3.type))
     # the REG_V consumer's P.V operand loads from a 16-token slice of the K stage
     lat16 = gl.allocate_shared_memory(gl.float8e4nv, [16, 512], LAT)
     gl.static_print("RESULT", "regv_chunk_load", gl.bank_conflicts(gl.full([16, 512], 0, gl.float8e4nv, fh._V_CHUNK_LAYOUT).type, lat16.type))

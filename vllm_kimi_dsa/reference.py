@@ -42,12 +42,36 @@ def reference_decode(
         raise ValueError(
             f"query {tuple(query.shape)}, slots {tuple(slots.shape)} and counts {tuple(counts.shape)} disagree on rows"
         )
+    return _attend(query, kv_rows, slots, counts, lambda r: dequantize_rows(r, fmt), softmax_scale, output_scale)
+
+
+def source_reference_decode(
+    query: torch.Tensor,
+    source_rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    softmax_scale: float,
+    output_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference_decode on the unquantized rows a cache was made from ((num_rows, 576) float): the answer without
+    the cache format's quantization error, so that error can be reported (not hidden by a reference that shares it)."""
+    if (source_rows.dim() != 2 or source_rows.shape[-1] != HEAD_DIM
+            or source_rows.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
+        raise ValueError(f"source_rows must be (num_rows, {HEAD_DIM}) float, got {tuple(source_rows.shape)} "
+                         f"{source_rows.dtype}")
+    return _attend(query, source_rows, slots, counts, lambda r: r.float(), softmax_scale, output_scale)
+
+
+def _attend(query, kv_rows, slots, counts, to_float, softmax_scale: float, output_scale: float):
+    """Gather the valid rows of each query row, to float32 (to_float), attend; see reference_decode."""
+    rows, width = slots.shape
     position = torch.arange(width, device=slots.device)
     valid = (position < counts.long().unsqueeze(1)) & (slots >= 0)
     ids = torch.where(valid, slots.long(), torch.zeros_like(slots, dtype=torch.long))
     if valid.any() and int(ids[valid].max()) >= kv_rows.shape[0]:
         raise ValueError(f"slots index past the cache ({kv_rows.shape[0]} rows)")
-    kv = dequantize_rows(kv_rows[ids.reshape(-1)], fmt).reshape(rows, width, HEAD_DIM)
+    kv = to_float(kv_rows[ids.reshape(-1)]).reshape(rows, width, HEAD_DIM)
     # Unused entries read row 0 as a placeholder; its bytes may decode to NaN, and 0 * NaN is NaN.
     kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     q = query.float()

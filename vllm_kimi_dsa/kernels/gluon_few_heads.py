@@ -37,7 +37,7 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
+from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_E4M3_PTX, E2M1_PAIRS_PTX, E4M3_BLOCK_TABLE_PTX
 from vllm_kimi_dsa.planning import Config
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_H as BLOCK_H
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_N as BLOCK_N
@@ -190,11 +190,16 @@ if gl is not None:
     def _regv_tiles(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty, j0, num_tiles, qk_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
+        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False,
     ):
         """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a split's tiles): Q.K,
         the online softmax and P.V with the latent from the K stage through registers (_v_chunk), so no V16 ring is
         written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's stage is held until its P.V
-        operands are loaded in iteration it, then released (k_empty counts 1). Returns (acc0, acc1, m_i, l_acc), every wgmma retired."""
+        operands are loaded in iteration it, then released (k_empty counts 1). Returns (acc0, acc1, m_i, l_acc), every
+        wgmma retired.
+
+        CONVERTED (nvfp4 rows, _e4m3_converter): the stage's latent is the converter's (c_ready); the gathered RoPE
+        and bias are released after Q.K (k_empty counts the converter too), the latent after P.V's loads (c_empty)."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -211,9 +216,14 @@ if gl is not None:
                 fence_async_shared()
             a0 = warpgroup_mma_init(acc0)
             a1 = warpgroup_mma_init(acc1)
+            if CONVERTED:
+                mbarrier.wait(c_ready.index(stage), (j // K_STAGES) & 1)
             if it > 0:
                 a0, a1 = _regv_pv(k_lat_s.index((j + K_STAGES - 1) % K_STAGES), p_t, a0, a1, BH, PV_IN_FLIGHT)
-                mbarrier.arrive(k_empty.index((j + K_STAGES - 1) % K_STAGES))
+                if CONVERTED:
+                    mbarrier.arrive(c_empty.index((j + K_STAGES - 1) % K_STAGES))
+                else:
+                    mbarrier.arrive(k_empty.index((j + K_STAGES - 1) % K_STAGES))
             if PV_EARLY:  # tile it - 1's stage is free before the wait for tile it
                 mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
                 fence_async_shared()
@@ -221,6 +231,8 @@ if gl is not None:
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
             s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, a0, a1))
+            if CONVERTED:  # the gathered RoPE and bias of this stage are read
+                mbarrier.arrive(k_empty.index(stage))
             p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
@@ -259,10 +271,13 @@ if gl is not None:
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
+        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False,
     ):
-        """_few_consumer without a converter (REG_V, fp8): _regv_tiles over this split's tiles, then the epilogue."""
+        """The REG_V consumer (fp8 rows, or nvfp4 rows CONVERTED to e4m3): _regv_tiles over this split's tiles, then
+        the epilogue."""
         acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
-                                             0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)
+                                             0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY,
+                                             c_ready, c_empty, CONVERTED)
         _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                        row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
 
@@ -437,6 +452,84 @@ if gl is not None:
             [120, 128],
         )
 
+    @gluon.jit
+    def _e4m3_converter(
+        pk_s, sc_s, k_lat_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """Tile j's latent, e2m1 x e4m3 rounded once to e4m3 (nearest even, saturating at +-448), in latent order
+        into the fp8 K stage the REG_V consumer reads (c_ready); then release the packed stage.
+
+        The packed view and the scale lines are _nvfp4_converter's: a lane's 8 packed bytes are one block, its table
+        made once (E4M3_BLOCK_TABLE_PTX) and its 16 values looked up in it (E2M1_E4M3_PTX) as 8 e4m3 pairs, one
+        16-byte store."""
+        pk_layout: gl.constexpr = _PK_LAYOUT
+        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        for j in range(num_tiles):
+            stage = j % K_STAGES
+            mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
+            mbarrier.wait(c_empty.index(stage), ((j // K_STAGES) & 1) ^ 1)
+            pk4 = pk_s.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
+            sc3 = sc_s.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
+            # the stage's latent as 256 e4m3 pairs a row (the same bytes: tests/test_sm90_compile checks it)
+            dst = k_lat_s.index(stage)._reinterpret(gl.uint16, [BLOCK_N, 256], _V16_LAYOUT)
+            for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
+                pk = pk4.slice(r0, CVT_ROWS, dim=0).load(pk_layout)
+                sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, pk_layout))
+                t0, t1 = gl.inline_asm_elementwise(E4M3_BLOCK_TABLE_PTX, "=r,=r,h",
+                                                   [sc.to(gl.float8e4nv, bitcast=True).to(gl.float16)],
+                                                   dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+                t0 = gl.broadcast(gl.expand_dims(t0, 3), pk)[0]
+                t1 = gl.broadcast(gl.expand_dims(t1, 3), pk)[0]
+                pairs = gl.inline_asm_elementwise(E2M1_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, t0, t1],
+                                                  dtype=gl.uint16, is_pure=True, pack=4)
+                dst.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(pairs, [CVT_ROWS, 256]))
+            fence_async_shared()
+            mbarrier.arrive(c_ready.index(stage))
+            mbarrier.arrive(k_empty.index(stage))
+
+    @gluon.jit
+    def _nvfp4_e4m3_body(
+        q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        row, split, h0, start, end, num_tiles, H, num_splits,
+        stride_q_row, stride_q_head, stride_kv, stride_s_row,
+        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+        BH: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        CVT_REGS: gl.constexpr, PV_IN_FLIGHT: gl.constexpr,
+    ):
+        """few_heads_kernel for nvfp4_ds_mla rows through e4m3: the gatherer moves packed bytes and scales into a
+        packed ring and the RoPE and bias into the fp8 ring's stage, _e4m3_converter writes the stage's latent as
+        e4m3, and the fp8 REG_V consumer runs as on an fp8 cache (fp8 Q, both GEMMs as there)."""
+        q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
+        pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
+        sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
+        p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 2)  # k_empty: the converter and the consumer
+        c_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(c_ready.index(i), count=1)
+            mbarrier.init(c_empty.index(i), count=1)
+        store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
+                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                  row, split, h0, num_tiles, H, num_splits,
+                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                  BH, K_STAGES, PV_IN_FLIGHT, False, c_ready, c_empty, True)),
+                (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
+                            kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+                            _BN, K_STAGES, sc_s, True)),
+                (_e4m3_converter, (pk_s, sc_s, k_lat_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+                                   _BN, K_STAGES, CVT_ROWS)),
+            ],
+            [4, 4],
+            [PRODUCER_REGS, CVT_REGS],
+        )
+
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def few_heads_kernel(
         q_ptr, kv_ptr, slots_ptr, counts_ptr,
@@ -454,6 +547,8 @@ if gl is not None:
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
+        CVT_E4M3: gl.constexpr = False,  # nvfp4: the latent converted to e4m3 for the REG_V consumer
+        CVT_REGS: gl.constexpr = 128,  # CVT_E4M3: setmaxnreg of the converter
     ):
         """One (head block, split, row): triton_decode.decode_kernel with SWAP and BLOCK_H = BH."""
         row, split = row_split(num_splits, lead_tiles)
@@ -463,6 +558,13 @@ if gl is not None:
             h0 = 0
 
         start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
+        if NVFP4 and CVT_E4M3:
+            _nvfp4_e4m3_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                             row, split, h0, start, end, num_tiles, H, num_splits,
+                             stride_q_row, stride_q_head, stride_kv, stride_s_row,
+                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                             BH, K_STAGES, CVT_ROWS, PRODUCER_REGS, CVT_REGS, PV_IN_FLIGHT)
+            return
         if NVFP4:
             _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                row, split, h0, start, end, num_tiles, H, num_splits,
@@ -519,11 +621,19 @@ class FewHeadsParams:
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
+    # nvfp4: the converter writes the latent as e4m3 into an fp8 K ring and the reg_v consumer runs as on fp8 rows
+    # (rounds each e2m1 x scale product to e4m3's 3 mantissa bits), instead of fp16 V16 halves
+    cvt_e4m3: bool = False
+    converter_regs: int = 128  # cvt_e4m3: setmaxnreg of the converter
 
     def __post_init__(self) -> None:
         if self.reg_v == self.nvfp4:
             raise ValueError("exactly one of reg_v (fp8 rows) and nvfp4 (nvfp4_ds_mla rows) must be set")
-        if self.nvfp4 and self.v_slots < 4:
+        if self.cvt_e4m3 and not self.nvfp4:
+            raise ValueError("cvt_e4m3 converts nvfp4_ds_mla rows: it needs nvfp4")
+        if self.converter_regs % 8 or not 56 <= self.converter_regs <= 256:
+            raise ValueError(f"converter_regs must be a multiple of 8 in [56, 256], got {self.converter_regs}")
+        if self.nvfp4 and not self.cvt_e4m3 and self.v_slots < 4:
             raise ValueError("nvfp4 needs v_slots >= 4 (Q.K holds a tile's V16 halves while P.V holds the previous "
                              "tile's)")
         if self.cvt_rows not in (8, 16, 32):
@@ -544,7 +654,9 @@ class FewHeadsParams:
 
     def smem_bytes(self) -> int:
         """Q, K ring, V16 ring (nvfp4), P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
-        if self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
+        if self.cvt_e4m3:  # fp8 Q; a stage of 576 e4m3 (latent + RoPE) + 256 packed + 32 scale bytes
+            q, stage, v16 = BLOCK_H * HEAD_DIM, BLOCK_N * (HEAD_DIM + NVFP4_ROW_BYTES - ROPE_DIM), 0
+        elif self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
             q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
             v16 = self.v_slots * BLOCK_N * LATENT_DIM
         else:
@@ -566,6 +678,12 @@ def nvfp4_params() -> FewHeadsParams:
     return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True, reg_v=False)
 
 
+def nvfp4_e4m3_params() -> FewHeadsParams:
+    """nvfp4_ds_mla through e4m3: K ring 3 (a stage 36 KB fp8 + 18 KB packed), the gatherer 96 registers, the
+    converter 128."""
+    return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, cvt_e4m3=True, producer_regs=96, converter_regs=128)
+
+
 def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
     """fp8 with P.V's latent through registers: one CTA an SM (K ring 3), or two CTAs an SM (K ring 2 each, two P.V
     chunks in flight, the gatherer 56 registers and the consumer 200, P.V issued before the wait for the next tile)."""
@@ -578,7 +696,8 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
     return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4,
-                PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early)
+                PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early, CVT_E4M3=params.cvt_e4m3,
+                CVT_REGS=params.converter_regs)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
