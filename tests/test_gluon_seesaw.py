@@ -22,7 +22,8 @@ import torch
 from conftest import GLUON_GPU
 from test_gluon_decode import _case, _check, _poisoned, assert_agree
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
+from vllm_kimi_dsa.formats import nvfp4_as_fp8
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, nvfp4_seesaw_params, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
 from vllm_kimi_dsa.backends import hopper
@@ -39,9 +40,18 @@ class Case:
     splits: int | None = None  # None: the heuristic; 1: no combine
     k_stages: int = 4
     pv_in_flight: int = 2  # SeesawParams' default
+    nvfp4: bool = False  # nvfp4_ds_mla rows, converted to e4m3 by the gatherer
+    r_stages: int = 2
+    cvt_rows: int = 8
 
     def params(self) -> SeesawParams:
-        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight)
+        return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, nvfp4=self.nvfp4,
+                            r_stages=self.r_stages, cvt_rows=self.cvt_rows)
+
+
+def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
+    """An nvfp4_ds_mla case on nvfp4_seesaw_params()'s rings unless kw says otherwise."""
+    return Case(rows, heads, width, **{"k_stages": 3, "nvfp4": True, **kw})
 
 
 CASES = [
@@ -68,11 +78,25 @@ CASES = [
     # an even and an odd tile count a split (8 and 5 of 64 tokens)
     Case(3, 128, 2048, splits=4),
     Case(6, 96, 1024, splits=3),
+    # nvfp4_ds_mla through e4m3: held to the fp8 tolerance against formats.nvfp4_as_fp8 of the cache
+    nvfp4_case(1, 128, 2048, splits=1),
+    nvfp4_case(2, 64, 128, splits=1),
+    nvfp4_case(5, 128, 2048, splits=3),
+    nvfp4_case(7, 96, 1024),
+    nvfp4_case(19, 128, 2048, splits=2),
+    nvfp4_case(33, 64, 128),
+    nvfp4_case(320, 128, 2048),
+    nvfp4_case(320, 64, 2048, splits=1),
+    nvfp4_case(3, 128, 2048, splits=4, r_stages=3, k_stages=2),
+    nvfp4_case(6, 96, 1024, splits=3, cvt_rows=16),
+    nvfp4_case(7, 128, 2048, splits=1, r_stages=1),
+    nvfp4_case(5, 64, 2048, splits=2, pv_in_flight=1),
 ]
 
 
 def _case_id(c: Case) -> str:
-    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}"
+    nv = f"-nvfp4-rs{c.r_stages}-cvt{c.cvt_rows}" if c.nvfp4 else ""
+    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}{nv}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -93,12 +117,60 @@ def test_rejects_bad_params() -> None:
 @GPU
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_matches_reference(case: Case) -> None:
-    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 11 + case.heads)
+    fmt = "nvfp4_ds_mla" if case.nvfp4 else "fp8"
+    q, kv, slots, counts, ss, os_ = _case(case.rows, case.heads, case.width, seed=case.rows * 11 + case.heads,
+                                          fmt=fmt)
     out, lse = _poisoned(case.rows, case.heads)
     seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                              splits=case.splits, params=case.params())
     torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, ss, os_)
+    # nvfp4: the consumers compute on nvfp4_as_fp8 of the rows, as on an fp8 cache
+    _check(out, lse, q, nvfp4_as_fp8(kv) if case.nvfp4 else kv, slots, counts, ss, os_)
+
+
+@GPU
+@pytest.mark.parametrize("splits", [1, 3])
+def test_nvfp4_cuda_graph_replay(splits: int) -> None:
+    """nvfp4 rows: capture once (workspace made before capture), replay on new inputs copied into the captured
+    buffers, equal to eager and within tolerance."""
+    from test_gluon_decode import replay_on_new_inputs
+    from vllm_kimi_dsa.kernels import common as kcommon
+
+    rows, width, heads, fmt = 7, 1024, 128, "nvfp4_ds_mla"
+    params = nvfp4_seesaw_params()
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=31, fmt=fmt)
+    ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=params.config())
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                                 workspace=ws, splits=splits, params=params)
+
+    replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=32, fmt=fmt)[:4], out, lse)
+    _check(out, lse, q, nvfp4_as_fp8(kv), slots, counts, ss, os_)
+
+
+@GPU
+def test_kernel_class_runs_nvfp4_on_seesaw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (nvfp4_ds_mla, 128 heads): every launch on the seesaw kernel's nvfp4 form (where verified), split
+    and tail-split plans included; all match the reference on nvfp4_as_fp8 of the cache."""
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+
+    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
+    rows_list, width, heads, fmt = (5, 64, 80), 2048, 128, "nvfp4_ds_mla"
+    q, kv, slots, counts, ss, os_ = _case(max(rows_list), heads, width, seed=67, fmt=fmt)
+    setup = DecodeSetup(device=DEVICE, fmt=fmt, heads=heads, row_counts=rows_list, capacities=(),
+                        widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
+    k = hopper.TritonDecode(setup)
+    if k.gluon is None:
+        pytest.skip("the seesaw kernel's nvfp4 form is not verified on this Triton")
+    assert all(p.nvfp4 for r in rows_list for p in k.plan_params[r, width]), k.plan_params
+    for rows in rows_list:
+        out, lse = _poisoned(rows, heads)
+        k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
+        torch.cuda.synchronize()
+        _check(out, lse, q[:rows], nvfp4_as_fp8(kv), slots[:rows], counts[:rows], ss, os_)
 
 
 @GPU

@@ -316,7 +316,8 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
 
 
 def test_verified_variants() -> None:
-    """Every Gluon variant passed its GPU tests on the H200 with Triton 3.6 and 3.8; no other version is listed."""
-    assert set(variants.VERIFIED_TRITON) == {"gluon64", "seesaw", "few-fp8", "few-fp8-multi", "few-nvfp4",
-                                             "few-nvfp4-multi", "pv_early"}
-    assert all(v == ("3.6", "3.8") for v in variants.VERIFIED_TRITON.values())
+    """The Triton versions each Gluon variant passed its GPU tests on, on the H200; no other version is listed."""
+    assert variants.VERIFIED_TRITON == {
+        "gluon64": ("3.6", "3.8"), "seesaw": ("3.6", "3.8"), "seesaw-nvfp4": (), "few-fp8": ("3.6", "3.8"),
+        "few-fp8-multi": ("3.6", "3.8"), "few-nvfp4": ("3.6", "3.8"), "few-nvfp4-multi": ("3.6", "3.8"),
+        "pv_early": ("3.6", "3.8")}

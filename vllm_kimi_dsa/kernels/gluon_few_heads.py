@@ -18,7 +18,9 @@ import triton
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
 from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
+    PK_LAYOUT,
     alloc_fp8_q_and_ring,
+    convert_tile_e4m3,
     fence_async_shared,
     gatherer,
     gl,
@@ -37,7 +39,7 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_E4M3_PTX, E2M1_PAIRS_PTX, E4M3_BLOCK_TABLE_PTX
+from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
 from vllm_kimi_dsa.planning import Config
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_H as BLOCK_H
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_N as BLOCK_N
@@ -361,10 +363,8 @@ if gl is not None:
             mbarrier.init(k_empty.index(i), count=K_EMPTY)
         return p_s, bias_s, k_ready, k_empty
 
-    # The nvfp4 conversion's view (rows, r 8, q 4, e 8) of the packed bytes: 16 lanes read 128 contiguous bytes of
-    # a row (8 a lane) and 8 lanes store 64 fp16 of a V16 row, both conflict-free (16 bytes a lane on rows r, r + 1
-    # took two wavefronts a load). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
-    _PK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [2, 4, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+    # common.gluon's packed view; 8 lanes store 64 fp16 of a V16 row from it, conflict-free
+    _PK_LAYOUT = PK_LAYOUT
 
     @gluon.jit
     def _nvfp4_converter(
@@ -457,34 +457,13 @@ if gl is not None:
         pk_s, sc_s, k_lat_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
-        """Tile j's latent, e2m1 x e4m3 rounded once to e4m3 (nearest even, saturating at +-448), in latent order
-        into the fp8 K stage the REG_V consumer reads (c_ready); then release the packed stage.
-
-        The packed view and the scale lines are _nvfp4_converter's: a lane's 8 packed bytes are one block, its table
-        made once (E4M3_BLOCK_TABLE_PTX) and its 16 values looked up in it (E2M1_E4M3_PTX) as 8 e4m3 pairs, one
-        16-byte store."""
-        pk_layout: gl.constexpr = _PK_LAYOUT
-        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3) into the fp8 K stage the REG_V consumer
+        reads (c_ready); then release the packed stage."""
         for j in range(num_tiles):
             stage = j % K_STAGES
             mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
             mbarrier.wait(c_empty.index(stage), ((j // K_STAGES) & 1) ^ 1)
-            pk4 = pk_s.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
-            sc3 = sc_s.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
-            # the stage's latent as 256 e4m3 pairs a row (the same bytes: tests/test_sm90_compile checks it)
-            dst = k_lat_s.index(stage)._reinterpret(gl.uint16, [BLOCK_N, 256], _V16_LAYOUT)
-            for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
-                pk = pk4.slice(r0, CVT_ROWS, dim=0).load(pk_layout)
-                sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, pk_layout))
-                t0, t1 = gl.inline_asm_elementwise(E4M3_BLOCK_TABLE_PTX, "=r,=r,h",
-                                                   [sc.to(gl.float8e4nv, bitcast=True).to(gl.float16)],
-                                                   dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-                t0 = gl.broadcast(gl.expand_dims(t0, 3), pk)[0]
-                t1 = gl.broadcast(gl.expand_dims(t1, 3), pk)[0]
-                pairs = gl.inline_asm_elementwise(E2M1_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, t0, t1],
-                                                  dtype=gl.uint16, is_pure=True, pack=4)
-                dst.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(pairs, [CVT_ROWS, 256]))
+            convert_tile_e4m3(pk_s.index(stage), sc_s.index(stage), k_lat_s.index(stage), BLOCK_N, CVT_ROWS)
             fence_async_shared()
             mbarrier.arrive(c_ready.index(stage))
             mbarrier.arrive(k_empty.index(stage))

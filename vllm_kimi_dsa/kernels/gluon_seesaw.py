@@ -1,9 +1,10 @@
-"""The seesaw 64-head Gluon decode for Hopper (sm_90a), FP8 rows: its kernel, params and launch.
+"""The seesaw 64-head Gluon decode for Hopper (sm_90a), FP8 and nvfp4_ds_mla rows: its kernel, params and launch.
 
 Scheduled as FlashMLA's SM90 decode: consumer t % 2 owns tile t (Q.K, softmax, P and the running max published to
 the other), both take P.V of every tile for their latent half, the latent read from the K ring through registers;
-the running max passes back and forth, one hand-off a tile. A gatherer warpgroup fills the K ring. Same grid,
-runtime arguments, split scratch and combine as the plain kernel.
+the running max passes back and forth, one hand-off a tile. A gatherer warpgroup fills the K ring; nvfp4_ds_mla rows
+it gathers into a packed ring and converts to e4m3 K stages (formats.nvfp4_as_fp8), so the consumers are fp8's. Same
+grid, runtime arguments, split scratch and combine as the plain kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kimi_dsa.formats import HEAD_DIM
+from vllm_kimi_dsa.formats import HEAD_DIM, NVFP4_ROW_BYTES
 from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
@@ -24,6 +25,7 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     latent_store_layout,
     launch_kernel,
     mbarrier,
+    nvfp4_gatherer,
     one_off_call,
     row_split,
     split_tiles,
@@ -217,8 +219,12 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr,  # P.V k-steps (of 4) whose register operands are in flight at once
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the gatherer
+        NVFP4: gl.constexpr = False,  # nvfp4_ds_mla rows: the gatherer converts them to fp8 K stages (e4m3)
+        R_STAGES: gl.constexpr = 2,  # NVFP4: the packed ring's depth (22.3 KB a stage)
+        CVT_ROWS: gl.constexpr = 8,  # NVFP4: rows a conversion step
     ):
-        """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel."""
+        """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel. NVFP4: the consumers read the
+        e4m3 K stages nvfp4_gatherer writes (formats.nvfp4_as_fp8 of the rows)."""
         hb = gl.program_id(0)
         row, split = row_split(num_splits, lead_tiles)
         start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
@@ -234,7 +240,8 @@ if gl is not None:
         p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(K_STAGES):
-            mbarrier.init(k_ready.index(i), count=129)  # the gatherer's cp.async arrivals + its bias publish
+            # the gatherer's cp.async arrivals + its bias publish; NVFP4: its one arrive once the stage is written
+            mbarrier.init(k_ready.index(i), count=1 if NVFP4 else 129)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers, their P.V operands loaded
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)  # the tile's owner
@@ -245,27 +252,59 @@ if gl is not None:
         store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
         fence_async_shared()
 
-        gl.warp_specialize(
-            [
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
-                             k_ready, k_empty, p_ready, p_empty, l_ready,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
-                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             0, K_STAGES, PV_IN_FLIGHT)),
-                (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
-                             k_ready, k_empty, p_ready, p_empty, l_ready,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
-                             stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                             1, K_STAGES, PV_IN_FLIGHT)),
-                (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
+        if NVFP4:  # the packed ring the gatherer converts from (a stage: packed bytes, scales, RoPE, bias)
+            plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+            pk_s = gl.allocate_shared_memory(gl.uint8, [R_STAGES, _BN, 256], plain2)
+            sc_s = gl.allocate_shared_memory(gl.uint8, [R_STAGES, _BN, 32], plain2)
+            rope_s = gl.allocate_shared_memory(gl.float8e4nv, [R_STAGES, _BN, 64], rope_layout)
+            bias_raw_s = gl.allocate_shared_memory(gl.float32, [R_STAGES, _BN], _PLAIN)
+            r_ready = gl.allocate_shared_memory(gl.int64, [R_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(R_STAGES):
+                mbarrier.init(r_ready.index(i), count=128)  # the gathering threads' cp.async arrivals
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                                 k_ready, k_empty, p_ready, p_empty, l_ready,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 0, K_STAGES, PV_IN_FLIGHT)),
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                                 k_ready, k_empty, p_ready, p_empty, l_ready,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 1, K_STAGES, PV_IN_FLIGHT)),
+                    (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, r_ready, k_ready,
+                                      k_empty, kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv,
+                                      stride_s_row, _BN, K_STAGES, R_STAGES, CVT_ROWS)),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                                 k_ready, k_empty, p_ready, p_empty, l_ready,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 0, K_STAGES, PV_IN_FLIGHT)),
+                    (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
+                                 k_ready, k_empty, p_ready, p_empty, l_ready,
+                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                                 row, split, hb, num_tiles, H, num_splits,
+                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
+                                 1, K_STAGES, PV_IN_FLIGHT)),
+                    (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
-            ],
-            [4, 4],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -281,14 +320,26 @@ class SeesawParams:
     # setmaxnreg of consumer WG1; WG0 (the default partition) gets 504 - both requests = 240
     consumer_regs: int = 216
     producer_regs: int = 48  # setmaxnreg of the gatherer (3 registers' worth spilled at 48; 56 was slower)
+    # nvfp4_ds_mla rows: the gatherer converts each tile to an fp8 K stage through e4m3 (common.gluon.nvfp4_gatherer)
+    nvfp4: bool = False
+    r_stages: int = 2  # nvfp4: the packed ring's depth (22.3 KB a stage)
+    cvt_rows: int = 8  # nvfp4: rows a conversion step (the gatherer's registers)
 
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
             raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
         check_warpgroup_regs(self.consumer_regs, self.producer_regs)
-        smem = BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + 2048
+        if self.cvt_rows not in (8, 16, 32) or self.r_stages < 1:
+            raise ValueError(f"cvt_rows must be 8, 16 or 32 and r_stages >= 1, got {self.cvt_rows}, {self.r_stages}")
+        smem = self.smem_bytes()
         if self.k_stages < 2 or smem > 227 * 1024:
             raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
+
+    def smem_bytes(self) -> int:
+        """Q, the K ring, P for two tiles, (nvfp4) the packed ring, plus ~2 KB (bias, mbarriers, warp-specialize
+        state)."""
+        packed = self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) if self.nvfp4 else 0
+        return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048
 
     def config(self, heads: int | None = None) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head, 64-token tiles, 1 CTA an
@@ -296,10 +347,17 @@ class SeesawParams:
         return gluon_config(BLOCK_N)
 
 
+def nvfp4_seesaw_params() -> SeesawParams:
+    """nvfp4_ds_mla rows: K ring 3 and a packed ring of 2 (the most that fits beside Q and P), 8 rows a conversion
+    step (the gatherer's 48 registers)."""
+    return SeesawParams(k_stages=3, nvfp4=True, r_stages=2, cvt_rows=8)
+
+
 def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
-                PRODUCER_REGS=params.producer_regs)
+                PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4, R_STAGES=params.r_stages,
+                CVT_ROWS=params.cvt_rows)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
@@ -313,12 +371,14 @@ def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output
 def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: float, output_scale: float, out, lse=None,
                              workspace: Workspace | None = None, splits: int | None = None,
                              params: SeesawParams | None = None, lead_tiles: int = 0) -> Any:
-    """Sparse MLA decode of an fp8 cache with the seesaw kernel: gluon_decode.gluon_sparse_mla_decode's contract
+    """Sparse MLA decode of an fp8 cache (params.nvfp4: an nvfp4_ds_mla one) with the seesaw kernel:
+    gluon_decode.gluon_sparse_mla_decode's contract
     (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
     from triton_decode.make_workspace with params.config(); None allocates one: tests only; lead_tiles as
     triton_decode.sparse_mla_decode's)."""
-    return one_off_call(launch, params or SeesawParams(), "fp8", _bad_heads, query, kv_rows, slots, counts, out, lse,
-                        softmax_scale, output_scale, workspace, splits, lead_tiles)
+    params = params or SeesawParams()
+    return one_off_call(launch, params, "nvfp4_ds_mla" if params.nvfp4 else "fp8", _bad_heads, query, kv_rows, slots,
+                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles)
 
 
 def _bad_heads(heads: int) -> str:

@@ -19,6 +19,7 @@ from vllm_kimi_dsa.planning import Config, few_heads_config
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
+    "seesaw-nvfp4": (),  # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads, every launch
     "few-fp8": ("3.6", "3.8"),  # gluon_few_heads reg_v, one and two CTAs an SM, <= 16 heads
     "few-fp8-multi": ("3.6", "3.8"),  # ... 17..32 heads (16-head blocks)
     "few-nvfp4": ("3.6", "3.8"),  # gluon_few_heads nvfp4, <= 16 heads
@@ -62,12 +63,13 @@ class GluonChoice:
 
 def gluon_choice(fmt: str, heads: int, want: str) -> GluonChoice | None:
     """The Gluon kernels for (fmt, heads) under VLLM_KIMI_DSA_GLUON=`want` ("" unset, "1", "0"), before availability;
-    None where only the plain kernel runs (want "0", nvfp4 above 32 heads)."""
+    None where only the plain kernel runs (want "0")."""
     if want == "0":
         return None
     if heads > 32:
-        if fmt != "fp8":
-            return None
+        if fmt != "fp8":  # nvfp4: every launch on the seesaw kernel (gluon_decode's has no nvfp4 form)
+            nv = gluon_seesaw.nvfp4_seesaw_params()
+            return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"))
         params = gluon_decode.GluonParams()
         seesaw = want == "1" or verified("seesaw")
         return GluonChoice(params, gluon_decode.launch, params.config(),

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from vllm_kimi_dsa.kernels.common.combine import LOG2E, combine
+from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_E4M3_PTX, E4M3_BLOCK_TABLE_PTX
 from vllm_kimi_dsa.kernels.common.workspace import Workspace, check_inputs, check_lead, one_off_scratch, scratch
 
 # Triton versions whose Gluon API the kernels are written against: 3.6 and 3.8 both compile them offline for
@@ -243,11 +244,9 @@ if gl is not None:
     SC_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
 
     @gluon.jit
-    def gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
-                           K_STAGES: gl.constexpr):
-        """gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
-        stage buffers."""
-        stage = it % K_STAGES
+    def copy_nvfp4_rows(pk_dst, sc_dst, rope_dst, kv_ptr, slot, stride_kv):
+        """cp.async a tile's nvfp4_ds_mla rows (holes zero-filled): packed bytes, scales and RoPE into their
+        buffers. Returns which rows are real (ROW_LAYOUT's slot rows)."""
         ok = slot >= 0
         row_off = gl.where(ok, slot, 0).to(gl.int64) * stride_kv
         offs_pk = gl.arange(0, 256, gl.SliceLayout(0, ROW_LAYOUT))
@@ -258,18 +257,92 @@ if gl is not None:
         sc_ok = sc_slot >= 0
         sc_base = gl.expand_dims(kv_ptr + gl.where(sc_ok, sc_slot, 0).to(gl.int64) * stride_kv, 1)
         offs_sc = 320 + gl.arange(0, 32, gl.SliceLayout(0, SC_LAYOUT))
-        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(
-            pk_s.index(stage), kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_pk, 0),
-            mask=gl.expand_dims(ok, 1))
+            pk_dst, kv_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(offs_pk, 0), mask=gl.expand_dims(ok, 1))
         rope_ptrs = (kv_ptr + gl.expand_dims(rope_off, 1) + gl.expand_dims(offs_rope, 0)).to(
             gl.pointer_type(gl.float8e4nv), bitcast=True)
-        async_copy.async_copy_global_to_shared(k_rope_s.index(stage), rope_ptrs, mask=gl.expand_dims(rope_ok, 1))
-        async_copy.async_copy_global_to_shared(sc_s.index(stage), sc_base + gl.expand_dims(offs_sc, 0),
+        async_copy.async_copy_global_to_shared(rope_dst, rope_ptrs, mask=gl.expand_dims(rope_ok, 1))
+        async_copy.async_copy_global_to_shared(sc_dst, sc_base + gl.expand_dims(offs_sc, 0),
                                                   mask=gl.expand_dims(sc_ok, 1))
+        return ok
+
+    @gluon.jit
+    def gather_tile_nvfp4(pk_s, sc_s, k_rope_s, bias_s, k_ready, k_empty, kv_ptr, slot, it, stride_kv,
+                           K_STAGES: gl.constexpr):
+        """gather_tile for nvfp4_ds_mla rows (gluon_few_heads' nvfp4 path): packed bytes, RoPE and scales into their
+        stage buffers."""
+        stage = it % K_STAGES
+        mbarrier.wait(k_empty.index(stage), ((it // K_STAGES) & 1) ^ 1)
+        ok = copy_nvfp4_rows(pk_s.index(stage), sc_s.index(stage), k_rope_s.index(stage), kv_ptr, slot, stride_kv)
         bias_s.index(stage).store(gl.where(ok, 0.0, float("-inf")))
         async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
         mbarrier.arrive(k_ready.index(stage))
+
+    # The nvfp4 conversion's view (rows, r 8, q 4, e 8) of the packed bytes: 16 lanes read 128 contiguous bytes of
+    # a row (8 a lane: one 16-value block) and the stores of what they decode are conflict-free too (16 bytes a lane
+    # on rows r, r + 1 took two wavefronts a load). tests/test_sm90_compile checks it with Gluon's bank_conflicts.
+    PK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [2, 4, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+    # an fp8 K stage's latent seen as 256 e4m3 pairs a row: the same bytes as the 8-bit 128-byte-swizzled layout
+    E4M3_PAIRS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+    @gluon.jit
+    def convert_tile_e4m3(pk_stage, sc_stage, k_lat_stage, BLOCK_N: gl.constexpr, CVT_ROWS: gl.constexpr):
+        """A tile's nvfp4 latent (packed bytes, scales) into an fp8 K stage in latent order, each e2m1 x scale
+        rounded once to e4m3 (nearest even, saturating at +-448; formats.nvfp4_as_fp8), CVT_ROWS rows a step.
+
+        A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
+        whose scale is raw byte 8 q + r, so the (rows, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
+        up with the packed view's first two axes. A lane's 8 packed bytes are one block: its table is made once
+        (E4M3_BLOCK_TABLE_PTX) and its 16 values looked up in it (E2M1_E4M3_PTX) as 8 e4m3 pairs, one 16-byte
+        store."""
+        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        pk4 = pk_stage._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
+        sc3 = sc_stage._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
+        dst = k_lat_stage._reinterpret(gl.uint16, [BLOCK_N, 256], E4M3_PAIRS_LAYOUT)
+        for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
+            pk = pk4.slice(r0, CVT_ROWS, dim=0).load(PK_LAYOUT)
+            sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, PK_LAYOUT))
+            t0, t1 = gl.inline_asm_elementwise(E4M3_BLOCK_TABLE_PTX, "=r,=r,h",
+                                               [sc.to(gl.float8e4nv, bitcast=True).to(gl.float16)],
+                                               dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+            t0 = gl.broadcast(gl.expand_dims(t0, 3), pk)[0]
+            t1 = gl.broadcast(gl.expand_dims(t1, 3), pk)[0]
+            pairs = gl.inline_asm_elementwise(E2M1_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, t0, t1],
+                                              dtype=gl.uint16, is_pure=True, pack=4)
+            dst.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(pairs, [CVT_ROWS, 256]))
+
+    @gluon.jit
+    def nvfp4_gatherer(
+        pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, r_ready, k_ready, k_empty,
+        kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
+        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, R_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
+    ):
+        """A gatherer warpgroup that also converts (the seesaw kernel's nvfp4 form): cp.async tile j's nvfp4 rows
+        into a packed ring of R_STAGES (packed bytes, scales, RoPE, bias: r_ready, the 128 threads' arrivals), then
+        turn tile j - R_STAGES + 1 into an fp8 K stage (convert_tile_e4m3, the RoPE and bias copied) and publish it
+        (k_ready counts 1) once the consumers have freed that stage, so the consumers run as on fp8 rows."""
+        s_base = slots_ptr + row.to(gl.int64) * stride_s_row
+        slot = load_slots(s_base, start, end, 0, BLOCK_N)
+        for j in range(num_tiles + R_STAGES - 1):
+            if j < num_tiles:
+                nxt = load_slots(s_base, start, end, j + 1, BLOCK_N)
+                r = j % R_STAGES
+                ok = copy_nvfp4_rows(pk_s.index(r), sc_s.index(r), rope_s.index(r), kv_ptr, slot, stride_kv)
+                bias_raw_s.index(r).store(gl.where(ok, 0.0, float("-inf")))  # read back by the same threads
+                async_copy.mbarrier_arrive(r_ready.index(r), increment_count=False)
+                slot = nxt
+            t = j - (R_STAGES - 1)
+            if t >= 0:
+                r = t % R_STAGES
+                stage = t % K_STAGES
+                mbarrier.wait(r_ready.index(r), (t // R_STAGES) & 1)
+                mbarrier.wait(k_empty.index(stage), ((t // K_STAGES) & 1) ^ 1)
+                convert_tile_e4m3(pk_s.index(r), sc_s.index(r), k_lat_s.index(stage), BLOCK_N, CVT_ROWS)
+                k_rope_s.index(stage).store(rope_s.index(r).load(ROPE_LAYOUT))
+                bias_s.index(stage).store(bias_raw_s.index(r).load(gl.SliceLayout(1, ROW_LAYOUT)))
+                fence_async_shared()
+                mbarrier.arrive(k_ready.index(stage))
 
     @gluon.jit
     def gatherer(
