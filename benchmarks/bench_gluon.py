@@ -34,7 +34,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
-from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode, source_reference_decode  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 from vllm_kimi_dsa import planning  # noqa: E402
 from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
@@ -58,6 +58,12 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
+    # nvfp4_ds_mla rows (the gatherer converts them to e4m3 K stages): the shipped form, then one change at a time
+    "seesaw-nvfp4-tail": {"nvfp4": True, "k_stages": 3, "tail_split": True},
+    "seesaw-nvfp4-cvt16-tail": {"nvfp4": True, "k_stages": 3, "cvt_rows": 16, "tail_split": True},
+    "seesaw-nvfp4-p56-tail": {"nvfp4": True, "k_stages": 3, "producer_regs": 56, "consumer_regs": 208,
+                              "tail_split": True},
+    "seesaw-nvfp4-rs1-ks4-tail": {"nvfp4": True, "k_stages": 4, "r_stages": 1, "tail_split": True},
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where
@@ -81,9 +87,10 @@ def tail_split_call(launch, cfg: planning.Config, q, kv, slots, counts, out, lse
 
 
 def _runner(name: str, q, kv, slots, counts, out, lse, ws, splits):
-    if name == "triton":
-        cfg = planning.default_config(HEADS, "fp8")
-        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE,
+    if name in ("triton", "triton-nvfp4"):
+        fmt = _fmt(name)
+        cfg = planning.default_config(HEADS, fmt)
+        return lambda: td.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE,
                                             out=out, lse=lse, workspace=ws, config=cfg, splits=splits)
     if name in MIXED_VARIANTS:
         sp, gp = SeesawParams(), GluonParams()
@@ -128,15 +135,20 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     return us, ws, outs, lses, sets
 
 
+def _fmt(name: str) -> str:
+    """The cache format a kernel name reads (SeesawParams(nvfp4=True): nvfp4_ds_mla)."""
+    return "nvfp4_ds_mla" if name == "triton-nvfp4" or SEESAW_VARIANTS.get(name, {}).get("nvfp4") else "fp8"
+
+
 def _time(name: str, rows: int, splits: int, kv, cfg: planning.Config, dev, g):
     """µs per call of kernel `name` at `rows` rows and `splits` splits (time_rotated)."""
     return time_rotated(lambda q, s, c, o, lse, ws: _runner(name, q, kv, s, c, o, lse, ws, splits),
-                        rows, HEADS, splits, row_bytes("fp8"), dev, g)
+                        rows, HEADS, splits, row_bytes(_fmt(name)), dev, g)
 
 
 def _config(name: str) -> planning.Config:
-    if name == "triton":
-        return planning.default_config(HEADS, "fp8")
+    if name in ("triton", "triton-nvfp4"):
+        return planning.default_config(HEADS, _fmt(name))
     if name in MIXED_VARIANTS:
         return SeesawParams().config()
     if name in SEESAW_VARIANTS:
@@ -145,7 +157,7 @@ def _config(name: str) -> planning.Config:
 
 
 def main() -> None:
-    global K
+    global K, HEADS
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="5,20,80,160,320")
@@ -154,10 +166,11 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated kernel names (default: triton + every Gluon variant)")
     p.add_argument("--width", type=int, default=K, help="top-k slots a row (a multiple of 128; default 2048)")
     p.add_argument("--probe", default="gluon", help="the kernel names --splits probes (comma-separated)")
+    p.add_argument("--heads", type=int, default=HEADS, help="query heads (> 32; default 128)")
     a = p.parse_args()
-    K = a.width
+    K, HEADS = a.width, a.heads
     rows_list = [int(r) for r in a.rows.split(",")]
-    names = ["triton", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
+    names = ["triton", "triton-nvfp4", *GLUON_VARIANTS, *SEESAW_VARIANTS, *MIXED_VARIANTS]
     if a.only:
         names = [n for n in names if n in a.only.split(",")]
     if not gluon_available():
@@ -166,17 +179,25 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(1)
-    kv = quantize_rows(torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8, "fp8")
+    x = torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8
+    kvs = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
     # accuracy: 5 rows, holes, a count-0 row
     q5 = (torch.randn(5, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
     s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
     s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
     c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
-    ref, ref_lse = reference_decode(q5, kv, s5, c5, fmt="fp8", softmax_scale=SSCALE, output_scale=OSCALE)
+    refs = {fmt: reference_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE)
+            for fmt, kv in kvs.items()}
+    # the unquantized rows' answer: each format's own quantization error shows beside the kernel's
+    src = source_reference_decode(q5, x, s5, c5, softmax_scale=SSCALE, output_scale=OSCALE)[0]
+    for fmt, (ref_o, _) in refs.items():
+        print(f"{fmt} reference vs the unquantized rows: rel {float((ref_o - src).norm() / src.norm()):.2e}")
     results: dict[str, dict] = {}
     for name in names:
-        rec: dict = {"times": {}}
+        rec: dict = {"times": {}, "fmt": _fmt(name)}
         results[name] = rec
+        kv = kvs[_fmt(name)]
+        ref, ref_lse = refs[_fmt(name)]
         for splits in (1, 3):
             out = torch.full((5, HEADS, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
             lse = torch.full((5, HEADS), float("nan"), device=dev)
@@ -193,11 +214,14 @@ def main() -> None:
             rel = float((out.float() - ref).norm() / ref.norm())
             lse_err = float((lse[fin] - ref_lse[fin]).abs().max()) if bool(torch.isfinite(lse[fin]).all()) else float("inf")
             ok = bool(torch.isfinite(out).all()) and bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
-            rec[f"acc_splits{splits}"] = dict(rel_l2=rel, lse_err=lse_err, ok=ok, compile_s=time.time() - t0)
+            rel_src = float((out.float() - src).norm() / src.norm())
+            rec[f"acc_splits{splits}"] = dict(rel_l2=rel, rel_l2_source=rel_src, lse_err=lse_err, ok=ok,
+                                              compile_s=time.time() - t0)
             rec["regs"] = getattr(h, "n_regs", None)
             rec["spills"] = getattr(h, "n_spills", None)
             rec["smem"] = getattr(getattr(h, "metadata", None), "shared", None)
-            print(f"{name:20s} splits={splits}: rel {rel:.2e} lse {lse_err:.2e} {'ok' if ok else 'BAD'} "
+            print(f"{name:20s} splits={splits}: rel {rel:.2e} (vs unquantized {rel_src:.2e}) lse {lse_err:.2e} "
+                  f"{'ok' if ok else 'BAD'} "
                   f"regs {rec['regs']} spills {rec['spills']} smem {rec['smem']}", flush=True)
         if "error" in rec:
             continue
@@ -224,18 +248,18 @@ def main() -> None:
             rows_s, counts_s = item.split(":")
             picked = planning.choose_splits(int(rows_s), HEADS, K, _config(probe_name), sms)
             for sp in (int(c) for c in counts_s.split(",")):
-                us = _time(probe_name, int(rows_s), sp, kv, _config(probe_name), dev, g)[0]
+                us = _time(probe_name, int(rows_s), sp, kvs[_fmt(probe_name)], _config(probe_name), dev, g)[0]
                 probe.append(dict(kernel=probe_name, rows=int(rows_s), splits=sp, us=us, choose_splits=picked))
                 print(f"splits probe {probe_name}: rows {rows_s:>4s} splits {sp:2d}: {us:8.1f} us "
                       f"(choose_splits picks {picked})", flush=True)
         results.setdefault(probe_name, {})["splits_probe"] = probe
     print()
-    print(f"{'kernel':20s} " + " ".join(f"{r:>10d}" for r in rows_list) + f"   (µs, H=128, K={K}, fp8)")
+    print(f"{'kernel':25s} " + " ".join(f"{r:>10d}" for r in rows_list) + f"   (µs, H={HEADS}, K={K})")
     for name, rec in results.items():
         if "times" not in rec:
             continue
         cells = [f"{rec['times'][r]['us']:10.1f}" if "us" in rec["times"].get(r, {}) else f"{'-':>10s}" for r in rows_list]
-        print(f"{name:20s} " + " ".join(cells))
+        print(f"{name:25s} " + " ".join(cells))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gluon_bench.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,

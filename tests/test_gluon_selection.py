@@ -77,15 +77,20 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     if heads <= 32:
         want = HOPPER and variants.verified(("few-fp8" if fmt == "fp8" else "few-nvfp4") + ("-multi" if heads > 16 else ""))
     else:
-        want = fmt == "fp8" and AUTO
+        want = AUTO and (fmt == "fp8" or variants.verified("seesaw-nvfp4"))
     assert (k.gluon is not None) == want
     if k.gluon is None:
         assert k.config == default_config(heads, fmt)
+    elif heads > 32 and fmt != "fp8":  # nvfp4: every launch on the seesaw kernel's nvfp4 form
+        assert isinstance(k.gluon, SeesawParams) and k.gluon.nvfp4 and not k.gluon_large
+        assert all(pair == (k.gluon, k.gluon) for pair in k.plan_params.values())
+        return
     elif heads > 32:
         assert k.config.block_h == 64 and k.config.block_n == k.gluon.block_n
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and k.gluon.reg_v == (fmt == "fp8")
+        assert k.gluon.cvt_e4m3 == (fmt == "nvfp4_ds_mla")
     if heads > 32:  # fp8: the seesaw kernel for launches of whole long rows, on the same tiles and plans
         assert k.gluon_large == ((SeesawParams(),) if want and variants.verified("seesaw") else ())
         assert all(p.config(heads) == k.config for p in k.gluon_large)
@@ -318,6 +323,6 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
 def test_verified_variants() -> None:
     """The Triton versions each Gluon variant passed its GPU tests on, on the H200; no other version is listed."""
     assert variants.VERIFIED_TRITON == {
-        "gluon64": ("3.6", "3.8"), "seesaw": ("3.6", "3.8"), "seesaw-nvfp4": (), "few-fp8": ("3.6", "3.8"),
-        "few-fp8-multi": ("3.6", "3.8"), "few-nvfp4": ("3.6", "3.8"), "few-nvfp4-multi": ("3.6", "3.8"),
+        "gluon64": ("3.6", "3.8"), "seesaw": ("3.6", "3.8"), "seesaw-nvfp4": ("3.6",), "few-fp8": ("3.6", "3.8"),
+        "few-fp8-multi": ("3.6", "3.8"), "few-nvfp4": ("3.6",), "few-nvfp4-multi": ("3.6",),
         "pv_early": ("3.6", "3.8")}
