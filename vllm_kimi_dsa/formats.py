@@ -122,7 +122,8 @@ def pack_nvfp4(x: torch.Tensor) -> torch.Tensor:
     xf = x.float().reshape(-1, HEAD_DIM)
     latent = xf[:, :LATENT_DIM].reshape(-1, NVFP4_SCALES, NVFP4_BLOCK)
     amax = latent.abs().amax(dim=-1)
-    scale = (amax / 6.0).clamp(min=NVFP4_SCALE_FLOOR).to(torch.float8_e4m3fn)
+    # saturate at e4m3's largest (CUDA's cast makes NaN past it; the CPU's rounds to 448)
+    scale = (amax / 6.0).clamp(min=NVFP4_SCALE_FLOOR, max=448.0).to(torch.float8_e4m3fn)
     codes = _e2m1_codes(latent / scale.float().unsqueeze(-1)).reshape(-1, LATENT_DIM)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # even index in the low nibble
     rope = xf[:, LATENT_DIM:].clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
