@@ -39,8 +39,7 @@ SIGNATURE = dict(
 )
 # GluonParams overrides: the default, then one field changed at a time
 FEW_CONFIGS = [{}, {"ctas_per_sm": 2, "k_stages": 2, "pv_in_flight": 2, "producer_regs": 56, "pv_early": 1},
-               {"nvfp4": 1, "reg_v": 0, "k_stages": 3, "v_slots": 4},
-               {"nvfp4": 1, "reg_v": 0, "k_stages": 3, "cvt_e4m3": 1}]
+               {"nvfp4": 1, "reg_v": 0, "k_stages": 3}]
 SEESAW_CONFIGS = [{}, {"pv_in_flight": 1}, {"k_stages": 3}, {"nvfp4": 1, "k_stages": 3}]
 CONFIGS = [{}, {"v_slots": 2}, {"cvt_rows": 16}, {"block_n": 32, "k_stages": 4, "v_slots": 4}]
 LOOP_OPS = ("QGMMA", "HGMMA", "LDGSTS", "LDS", "STS", "LDG", "LDL", "STL", "F2FP", "MUFU", "FMUL", "FADD", "FFMA",

@@ -90,7 +90,6 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
     else:
         assert isinstance(k.gluon, FewHeadsParams) and k.config.block_h == 16 and k.config.swap
         assert k.gluon.nvfp4 == (fmt == "nvfp4_ds_mla") and k.gluon.reg_v == (fmt == "fp8")
-        assert k.gluon.cvt_e4m3 == (fmt == "nvfp4_ds_mla")
     if heads > 32:  # fp8: the seesaw kernel for launches of whole long rows, on the same tiles and plans
         assert k.gluon_large == ((SeesawParams(),) if want and variants.verified("seesaw") else ())
         assert all(p.config(heads) == k.config for p in k.gluon_large)
@@ -166,7 +165,7 @@ def test_few_heads_params_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="pv_in_flight"):
         FewHeadsParams(reg_v=True, pv_in_flight=0)
     with pytest.raises(ValueError, match="exactly one"):
-        FewHeadsParams(nvfp4=True, v_slots=4)
+        FewHeadsParams(nvfp4=True)
     with pytest.raises(ValueError, match="k_stages"):
         FewHeadsParams(k_stages=1)
     with pytest.raises(ValueError, match="cvt_rows"):
@@ -174,10 +173,10 @@ def test_few_heads_params_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="producer_regs"):
         FewHeadsParams(producer_regs=50)
     assert nvfp4_params().smem_bytes() <= 227 * 1024 and nvfp4_params().nvfp4
-    with pytest.raises(ValueError, match="nvfp4 needs"):
-        FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, v_slots=2)
     with pytest.raises(ValueError, match="shared memory"):
-        FewHeadsParams(k_stages=4, v_slots=4, nvfp4=True, reg_v=False)
+        FewHeadsParams(k_stages=4, nvfp4=True, reg_v=False)  # 4 x (36 + 18) KB + Q and P > 227 KB
+    with pytest.raises(ValueError, match="converter_regs"):
+        FewHeadsParams(nvfp4=True, reg_v=False, converter_regs=300)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper (sm_90) only")

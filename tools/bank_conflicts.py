@@ -33,6 +33,7 @@ OLD_PK = gl.constexpr(gl.BlockedLayout([1, 1, 2, 8], [8, 2, 2, 1], [4, 1, 1, 1],
 LAT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 ROPE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 PLAIN4 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+V16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))  # gluon_decode's
 
 
 @gluon.jit
@@ -42,18 +43,16 @@ def conflicts(p, BN: gl.constexpr, CVT: gl.constexpr):
     pk = gl.allocate_shared_memory(gl.uint8, [BN, 256], fh._PLAIN2)
     pk4 = gl.allocate_shared_memory(gl.uint8, [CVT, 8, 4, 8], PLAIN4)
     cvt8 = gl.allocate_shared_memory(gl.float8e4nv, [CVT, 256], LAT)
-    v16 = gl.allocate_shared_memory(gl.float16, [CVT, 256], fh._V16_LAYOUT)
+    v16 = gl.allocate_shared_memory(gl.float16, [CVT, 256], V16)
     gl.static_print("RESULT", "lat_gather", gl.bank_conflicts(gl.full([BN, 512], 0, gl.float8e4nv, cg.ROW_LAYOUT).type, lat.type))
     gl.static_print("RESULT", "rope_gather", gl.bank_conflicts(gl.full([BN, 64], 0, gl.float8e4nv, cg.ROPE_LAYOUT).type, rope.type))
     gl.static_print("RESULT", "nvfp4_gather", gl.bank_conflicts(gl.full([BN, 256], 0, gl.uint8, cg.ROW_LAYOUT).type, pk.type))
     gl.static_print("RESULT", "cvt_load", gl.bank_conflicts(gl.full([CVT, 256], 0, gl.float8e4nv, gd._CVT_LAYOUT).type, cvt8.type))
     gl.static_print("RESULT", "cvt_store", gl.bank_conflicts(gl.full([CVT, 256], 0, gl.float16, gd._CVT_LAYOUT).type, v16.type))
-    gl.static_print("RESULT", "nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, fh._PK_LAYOUT).type, pk4.type))
-    half = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.float16, fh._PK_LAYOUT), [CVT, 256])
-    gl.static_print("RESULT", "nvfp4_cvt_store", gl.bank_conflicts(half.type, v16.type))
+    gl.static_print("RESULT", "nvfp4_cvt_load", gl.bank_conflicts(gl.full([CVT, 8, 4, 8], 0, gl.uint8, cg.PK_LAYOUT).type, pk4.type))
     # the e4m3 converter's stores: 8 e4m3 pairs a lane into the fp8 K stage viewed as uint16 pairs
-    e4m3 = gl.allocate_shared_memory(gl.uint16, [CVT, 256], fh._V16_LAYOUT)
-    pairs = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.uint16, fh._PK_LAYOUT), [CVT, 256])
+    e4m3 = gl.allocate_shared_memory(gl.uint16, [CVT, 256], cg.E4M3_PAIRS_LAYOUT)
+    pairs = gl.reshape(gl.full([CVT, 8, 4, 8], 0, gl.uint16, cg.PK_LAYOUT), [CVT, 256])
     gl.static_print("RESULT", "e4m3_cvt_store", gl.bank_conflicts(pairs.type, e4m3.type))
     # the REG_V consumer's P.V operand loads from a 16-token slice of the K stage
     lat16 = gl.allocate_shared_memory(gl.float8e4nv, [16, 512], LAT)

@@ -152,7 +152,7 @@ def variants() -> list[dict]:
             for k in (3, 4, 6, 9)]
     out += [dict(name="convert-k4v2", mode="convert", fmt="fp8", k_stages=4, v_slots=2),
             dict(name="few", mode="few", fmt="fp8", k_stages=3, v_slots=0),
-            dict(name="few-nvfp4", mode="few", fmt="nvfp4_ds_mla", k_stages=3, v_slots=4)]
+            dict(name="few-nvfp4", mode="few", fmt="nvfp4_ds_mla", k_stages=3, v_slots=0)]
     return out
 
 

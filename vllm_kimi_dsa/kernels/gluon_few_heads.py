@@ -3,8 +3,8 @@ launch.
 
 Tokens and latent dims on the wgmma's M, heads on its N = 16 (the transposed form). fp8 rows (reg_v): one gatherer
 warpgroup fills a K ring; the consumer loads P.V's latent from the K stage straight into registers, at one or two
-CTAs an SM. nvfp4_ds_mla rows: a gatherer and a converter (e2m1 x e4m3 -> fp16 even / odd halves into a V16 ring)
-feed one consumer. Same grid, runtime arguments, split scratch and combine as the plain kernel.
+CTAs an SM. nvfp4_ds_mla rows: a gatherer moves them into a packed ring and a converter warpgroup writes each tile
+as e4m3 into an fp8 K ring (formats.nvfp4_as_fp8), so the same consumer runs at one CTA an SM. Same grid, runtime arguments, split scratch and combine as the plain kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import triton
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, ROPE_DIM
 from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
-    PK_LAYOUT,
     alloc_fp8_q_and_ring,
     convert_tile_e4m3,
     fence_async_shared,
@@ -34,12 +33,10 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     split_tiles,
     store_latent,
     store_q,
-    store_q_rope,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
 from vllm_kimi_dsa.planning import Config
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_H as BLOCK_H
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_N as BLOCK_N
@@ -77,78 +74,6 @@ if gl is not None:
         acc1 = gl.zeros([256, BH], gl.float32, o_layout)
         s_zero = gl.zeros([_BN, BH], gl.float32, s_layout)
         return m_i, l_acc, acc0, acc1, s_zero
-
-    @gluon.jit
-    def _few_consumer(
-        q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s,
-        k_ready, k_empty, v_ready, v_empty,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, num_tiles, H, num_splits,
-        stride_o_row, stride_o_head, stride_lse_row,
-        qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
-    ):
-        """The nvfp4 consumer warpgroup: S^T = K Q^T, online softmax over the tokens, O^T += V16^T P^T; epilogue.
-
-        The latent logits come from the converter's V16 halves (even / odd latent dims, fp16, exact) against
-        q_lat_s = (Q even dims, Q odd dims) in fp16, so tile it's Q.K also waits for its V16 halves; the RoPE part
-        stays fp8 x fp8 from the K stage. acc0 / acc1 are then the even / odd dims of O^T."""
-        s_layout: gl.constexpr = _mma_layout(BH, 32)
-        o_layout: gl.constexpr = _mma_layout(BH, 16)
-        tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        m_i, l_acc, acc0, acc1, s_zero = _consumer_state(BH)
-        s16_zero = gl.zeros([_BN, BH], gl.float32, o_layout)  # the fp16 latent logits' accumulator
-        q_even_t = q_lat_s.index(0).permute((1, 0))
-        q_odd_t = q_lat_s.index(1).permute((1, 0))
-        q_rope_t = q_rope_s.permute((1, 0))
-        p_t = p_s.permute((1, 0))  # P^T (tokens x heads) as the K-major B operand
-        for it in range(num_tiles):
-            stage = it % K_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
-            bias = bias_s.index(stage).load(tok_layout)
-            fence_async_shared()
-            # tile it - 1's V16 halves are uses 2 (it - 1) and 2 (it - 1) + 1 (valid slot indices at it = 0)
-            u = 2 * (it - 1)
-            vs0 = (u + 2 * V_SLOTS) % V_SLOTS
-            vs1 = (u + 1 + 2 * V_SLOTS) % V_SLOTS
-            a0 = warpgroup_mma_init(acc0)
-            a1 = warpgroup_mma_init(acc1)
-            if it > 0:
-                mbarrier.wait(v_ready.index(vs0), (u // V_SLOTS) & 1)
-                a0 = warpgroup_mma(v16_s.index(vs0).permute((1, 0)), p_t, acc0, is_async=True)
-                mbarrier.wait(v_ready.index(vs1), ((u + 1) // V_SLOTS) & 1)
-                a1 = warpgroup_mma(v16_s.index(vs1).permute((1, 0)), p_t, acc1, is_async=True)
-            # tile it's dequantized latent: V16 uses 2 it (even dims) and 2 it + 1 (odd dims)
-            uc = 2 * it
-            mbarrier.wait(v_ready.index(uc % V_SLOTS), (uc // V_SLOTS) & 1)
-            mbarrier.wait(v_ready.index((uc + 1) % V_SLOTS), ((uc + 1) // V_SLOTS) & 1)
-            # fp16 x fp16 (exact products, fp32 sums) into an accumulator of the fp16 instruction shape; the RoPE
-            # part fp8 x fp8 into its own, added after the wait
-            s_lat = warpgroup_mma(v16_s.index(uc % V_SLOTS), q_even_t, s16_zero, use_acc=False, is_async=True)
-            s_lat = warpgroup_mma(v16_s.index((uc + 1) % V_SLOTS), q_odd_t, s_lat, is_async=True)
-            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=3, deps=(a0, a1))
-            mbarrier.arrive(v_empty.index(vs0), pred=it > 0)
-            mbarrier.arrive(v_empty.index(vs1), pred=it > 0)
-            s, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_lat))
-            s = s + gl.convert_layout(s_lat, s_layout)
-            mbarrier.arrive(k_empty.index(stage))
-
-            p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
-            # P rounds to fp16 as in the Triton kernel; P.V of tile it - 1 has retired, so the buffer is free
-            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
-            fence_async_shared()
-        if num_tiles > 0:
-            u = 2 * (num_tiles - 1)
-            mbarrier.wait(v_ready.index(u % V_SLOTS), (u // V_SLOTS) & 1)
-            acc0 = warpgroup_mma(v16_s.index(u % V_SLOTS).permute((1, 0)), p_t, acc0, is_async=True)
-            mbarrier.wait(v_ready.index((u + 1) % V_SLOTS), ((u + 1) // V_SLOTS) & 1)
-            acc1 = warpgroup_mma(v16_s.index((u + 1) % V_SLOTS).permute((1, 0)), p_t, acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        l_i = gl.sum(l_acc, axis=0)
-        _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
 
     # REG_V: the latent of a 16-token k-step as P.V's A operand straight from the K stage into registers. Row i of
     # O^T (the wgmma M: i = 64 m + 16 w + 8 h + r for warp w, lane row r, half h, repetition m) holds latent dim
@@ -249,7 +174,7 @@ if gl is not None:
     def _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                        row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                        BH: gl.constexpr):
-        """The epilogue for REG_V's accumulators, as _few_epilogue: O^T back to latent order in the thread (row i = 64 m
+        """The epilogue for REG_V's accumulators, as the plain kernel's: O^T back to latent order in the thread (row i = 64 m
         + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h), then stored in whole
         sectors (latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x)."""
         l_i = gl.sum(l_acc, axis=0)
@@ -305,56 +230,15 @@ if gl is not None:
         else:
             gl.store(part_lse_ptr + (row * num_splits + split) * H + offs_h, lse2, mask=offs_h < H)
 
-    @gluon.jit
-    def _few_epilogue(acc0, acc1, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                      row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-                      BH: gl.constexpr):
-        """As the plain kernel's epilogue for the nvfp4 consumer: O^T (acc0 / acc1: latent dims 2 d and 2 d + 1)
-        normalized into out and the LSE, or with several splits the split's partial and base-2 LSE."""
-        o_layout: gl.constexpr = _mma_layout(BH, 16)
-        head_o_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-        inv, lse2 = normalizers(l_i, m_i)
-        inv = gl.convert_layout(inv, head_o_layout)
-        offs_h = h0 + gl.arange(0, BH, head_o_layout)  # h0: this CTA's first head (MULTI_HB), else 0
-        offs_d = gl.arange(0, 256, gl.SliceLayout(1, o_layout))
-        mask = gl.expand_dims(offs_h < H, 0) & gl.expand_dims(offs_d < 256, 1)
-        d0 = offs_d * 2
-        d1_off: gl.constexpr = 1
-        if num_splits == 1:
-            o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 0)
-                      + gl.expand_dims(d0, 1))
-            gl.store(o_ptrs, (acc0 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-            gl.store(o_ptrs + d1_off, (acc1 * gl.expand_dims(inv * out_scale, 0)).to(gl.bfloat16), mask=mask)
-        else:
-            base = (row * num_splits + split) * H
-            p_ptrs = part_out_ptr + gl.expand_dims((base + offs_h).to(gl.int64) * _D, 0) + gl.expand_dims(d0, 1)
-            gl.store(p_ptrs, (acc0 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
-            gl.store(p_ptrs + d1_off, (acc1 * gl.expand_dims(inv, 0)).to(part_out_ptr.dtype.element_ty), mask=mask)
-        _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
-
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    # fp16 tiles with 256-element (or 64-token P) rows as wgmma operands: V16 halves, P, nvfp4's fp16 Q
-    _V16_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-
-    @gluon.jit
-    def _alloc_rings(BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr):
-        """The buffers both row formats share, allocated after their Q and K-stage buffers: the V16 ring of half
-        tiles, then _alloc_k_ring's, then v_ready (the converter) and v_empty (the consumer after P.V), initialized;
-        k_empty counts the consumer after Q.K and the converter."""
-        v16_s = gl.allocate_shared_memory(gl.float16, [V_SLOTS, _BN, 256], _V16_LAYOUT)
-        p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 2)
-        v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(V_SLOTS):
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
-        return v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty
+    # P (heads x 64 tokens, fp16) as the wgmma's B operand
+    _P_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
     @gluon.jit
     def _alloc_k_ring(BH: gl.constexpr, K_STAGES: gl.constexpr, K_EMPTY: gl.constexpr):
         """P (heads x tokens, read as P^T), the token bias, and the K ring's mbarriers, initialized: k_ready (the
         gatherer's cp.async arrivals + its bias publish), k_empty (K_EMPTY arrivals free a stage)."""
-        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _V16_LAYOUT)
+        p_s = gl.allocate_shared_memory(gl.float16, [BH, _BN], _P_LAYOUT)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -362,95 +246,6 @@ if gl is not None:
             mbarrier.init(k_ready.index(i), count=129)
             mbarrier.init(k_empty.index(i), count=K_EMPTY)
         return p_s, bias_s, k_ready, k_empty
-
-    # common.gluon's packed view; 8 lanes store 64 fp16 of a V16 row from it, conflict-free
-    _PK_LAYOUT = PK_LAYOUT
-
-    @gluon.jit
-    def _nvfp4_converter(
-        pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-    ):
-        """Tile j's latent, e2m1 x e4m3 -> fp16 (exact: <= 6 significant bits within 2**-10 .. 2688), into V16 uses
-        2 j (the even dims: low nibbles) and 2 j + 1 (the odd dims), both at once; then release the K stage.
-
-        A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
-        whose scale is raw byte 8 q + r, so the (64, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
-        up with the packed view's first two axes. A lane decodes 8 contiguous bytes (a block) a step (_PK_LAYOUT)."""
-        pk_layout: gl.constexpr = _PK_LAYOUT
-        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        for j in range(num_tiles):
-            cstage = j % K_STAGES
-            mbarrier.wait(k_ready.index(cstage), (j // K_STAGES) & 1)
-            u = 2 * j
-            mbarrier.wait(v_empty.index(u % V_SLOTS), ((u // V_SLOTS) & 1) ^ 1)
-            mbarrier.wait(v_empty.index((u + 1) % V_SLOTS), (((u + 1) // V_SLOTS) & 1) ^ 1)
-            pk4 = pk_s.index(cstage)._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
-            sc3 = sc_s.index(cstage)._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
-            v_even = v16_s.index(u % V_SLOTS)
-            v_odd = v16_s.index((u + 1) % V_SLOTS)
-            for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
-                pk = pk4.slice(r0, CVT_ROWS, dim=0).load(pk_layout)
-                sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, pk_layout))
-                scale = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16), 3)
-                lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [pk],
-                                                   dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-                v_even.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(lo * scale, [CVT_ROWS, 256]))
-                v_odd.slice(r0, CVT_ROWS, dim=0).store(gl.reshape(hi * scale, [CVT_ROWS, 256]))
-            fence_async_shared()
-            mbarrier.arrive(v_ready.index(u % V_SLOTS))
-            mbarrier.arrive(v_ready.index((u + 1) % V_SLOTS))
-            mbarrier.arrive(k_empty.index(cstage))
-
-    @gluon.jit
-    def _nvfp4_kernel_body(
-        q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, start, end, num_tiles, H, num_splits,
-        stride_q_row, stride_q_head, stride_kv, stride_s_row,
-        stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        BH: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr, CVT_ROWS: gl.constexpr,
-    ):
-        """few_heads_kernel for nvfp4_ds_mla rows: Q as fp16 even / odd latent dims (the converter's V16 halves are
-        the latent K too), a K ring of packed bytes, scales and RoPE (22.5 KB a stage), gluon_decode._gatherer (NVFP4)
-        and _nvfp4_converter as the producer warpgroups."""
-        rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_lat_s = gl.allocate_shared_memory(gl.float16, [2, BH, 256], _V16_LAYOUT)  # Q even dims, Q odd dims
-        q_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, 64], rope_layout)
-        pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
-        sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
-        k_rope_s = gl.allocate_shared_memory(gl.float8e4nv, [K_STAGES, _BN, 64], rope_layout)
-        v16_s, p_s, bias_s, k_ready, k_empty, v_ready, v_empty = _alloc_rings(BH, K_STAGES, V_SLOTS)
-
-        # Q: latent dims 2 c and 2 c + 1 to fp16 (exact), RoPE as is; padded heads 0
-        q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        q_row = q_ptr + row.to(gl.int64) * stride_q_row
-        offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, q_ld))
-        q_even_ptrs = (q_row + gl.expand_dims(offs_h * stride_q_head, 1)
-                       + gl.expand_dims(2 * gl.arange(0, 256, gl.SliceLayout(0, q_ld)), 0))
-        q_mask = gl.expand_dims(offs_h < H, 1)
-        q_lat_s.index(0).store(gl.load(q_even_ptrs, mask=q_mask, other=0.0).to(gl.float16))
-        q_lat_s.index(1).store(gl.load(q_even_ptrs + 1, mask=q_mask, other=0.0).to(gl.float16))
-        store_q_rope(q_row, h0, H, stride_q_head, q_rope_s, BH)
-        fence_async_shared()
-
-        gl.warp_specialize(
-            [
-                (_few_consumer, (q_lat_s, q_rope_s, pk_s, k_rope_s, v16_s, bias_s, p_s,
-                                 k_ready, k_empty, v_ready, v_empty,
-                                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, h0, num_tiles, H, num_splits,
-                                 stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 BH, K_STAGES, V_SLOTS)),
-                (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
-                                kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
-                                _BN, K_STAGES, sc_s, True)),
-                (_nvfp4_converter, (pk_s, sc_s, v16_s, k_ready, k_empty, v_ready, v_empty, num_tiles,
-                                    _BN, K_STAGES, V_SLOTS, CVT_ROWS)),
-            ],
-            [4, 4],
-            [120, 128],
-        )
 
     @gluon.jit
     def _e4m3_converter(
@@ -519,15 +314,13 @@ if gl is not None:
         qk_scale, out_scale,
         BH: gl.constexpr,  # heads a CTA, the wgmma N (BLOCK_H; padded heads are zero queries, masked at the store)
         K_STAGES: gl.constexpr,
-        V_SLOTS: gl.constexpr,  # nvfp4: the V16 ring of half tiles
         CVT_ROWS: gl.constexpr,  # nvfp4: rows the converter decodes a step
         PRODUCER_REGS: gl.constexpr,  # reg_v: setmaxnreg of the gatherer
-        NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B): _nvfp4_kernel_body; else fp8 rows on REG_V
+        NVFP4: gl.constexpr,  # nvfp4_ds_mla rows (352 B): _nvfp4_e4m3_body; else fp8 rows
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
-        CVT_E4M3: gl.constexpr = False,  # nvfp4: the latent converted to e4m3 for the REG_V consumer
-        CVT_REGS: gl.constexpr = 128,  # CVT_E4M3: setmaxnreg of the converter
+        CVT_REGS: gl.constexpr = 128,  # nvfp4: setmaxnreg of the converter
     ):
         """One (head block, split, row): triton_decode.decode_kernel with SWAP and BLOCK_H = BH."""
         row, split = row_split(num_splits, lead_tiles)
@@ -537,22 +330,15 @@ if gl is not None:
             h0 = 0
 
         start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
-        if NVFP4 and CVT_E4M3:
+        if NVFP4:
             _nvfp4_e4m3_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                              row, split, h0, start, end, num_tiles, H, num_splits,
                              stride_q_row, stride_q_head, stride_kv, stride_s_row,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              BH, K_STAGES, CVT_ROWS, PRODUCER_REGS, CVT_REGS, PV_IN_FLIGHT)
             return
-        if NVFP4:
-            _nvfp4_kernel_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                               row, split, h0, start, end, num_tiles, H, num_splits,
-                               stride_q_row, stride_q_head, stride_kv, stride_s_row,
-                               stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                               BH, K_STAGES, V_SLOTS, CVT_ROWS)
-            return
 
-        # fp8 (REG_V): no V16 ring, the consumer alone frees a stage
+        # fp8 (REG_V): the consumer alone frees a stage
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
         p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 1)
 
@@ -583,38 +369,32 @@ if gl is not None:
 @dataclass(frozen=True)
 class FewHeadsParams:
     """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report):
-    fp8 rows with P.V's latent through registers (reg_v), or nvfp4_ds_mla rows (nvfp4) through a V16 ring."""
+    fp8 rows with P.V's latent through registers (reg_v), or nvfp4_ds_mla rows (nvfp4) converted to e4m3 for the
+    same consumer."""
 
     k_stages: int = 3  # K ring depth (the gathers in flight)
-    v_slots: int = 2  # nvfp4: the fp16 V16 ring of half tiles (>= 4: Q.K holds a tile's halves, P.V the previous)
     cvt_rows: int = DEFAULT_CVT_ROWS  # nvfp4: rows the converter decodes a step
-    producer_regs: int = 96  # reg_v: setmaxnreg of the gatherer
-    nvfp4: bool = False  # nvfp4_ds_mla rows: _nvfp4_kernel_body (gatherer + converter warpgroups)
-    # fp8: no converter and no V16 ring; the consumer loads P.V's latent from the K stage into registers
-    # (_regv_consumer); the gatherer is the one producer warpgroup (producer_regs)
+    producer_regs: int = 96  # setmaxnreg of the gatherer
+    # nvfp4_ds_mla rows: _nvfp4_e4m3_body (the gatherer fills a packed ring, the converter warpgroup writes each tile
+    # as e4m3 into the fp8 K ring: rounds each e2m1 x scale product to e4m3's 3 mantissa bits)
+    nvfp4: bool = False
+    # fp8 rows: the gatherer is the one producer warpgroup; the consumer loads P.V's latent from the K stage into
+    # registers (_regv_consumer; the nvfp4 form's consumer too)
     reg_v: bool = True
-    # reg_v: P.V chunks (16 tokens, 32 registers of A operand each) in flight at once; fewer fit a smaller
-    # register budget (ptxas serializes the wgmmas when they do not fit)
+    # P.V chunks (16 tokens, 32 registers of A operand each) in flight at once; fewer fit a smaller register budget
+    # (ptxas serializes the wgmmas when they do not fit)
     pv_in_flight: int = 4
     # CTAs an SM the kernel is compiled for (maxnreg 65536 / (256 threads x this)); 2 needs reg_v and K ring 2
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
-    # nvfp4: the converter writes the latent as e4m3 into an fp8 K ring and the reg_v consumer runs as on fp8 rows
-    # (rounds each e2m1 x scale product to e4m3's 3 mantissa bits), instead of fp16 V16 halves
-    cvt_e4m3: bool = False
-    converter_regs: int = 128  # cvt_e4m3: setmaxnreg of the converter
+    converter_regs: int = 128  # nvfp4: setmaxnreg of the converter
 
     def __post_init__(self) -> None:
         if self.reg_v == self.nvfp4:
             raise ValueError("exactly one of reg_v (fp8 rows) and nvfp4 (nvfp4_ds_mla rows) must be set")
-        if self.cvt_e4m3 and not self.nvfp4:
-            raise ValueError("cvt_e4m3 converts nvfp4_ds_mla rows: it needs nvfp4")
         if self.converter_regs % 8 or not 56 <= self.converter_regs <= 256:
             raise ValueError(f"converter_regs must be a multiple of 8 in [56, 256], got {self.converter_regs}")
-        if self.nvfp4 and not self.cvt_e4m3 and self.v_slots < 4:
-            raise ValueError("nvfp4 needs v_slots >= 4 (Q.K holds a tile's V16 halves while P.V holds the previous "
-                             "tile's)")
         if self.cvt_rows not in (8, 16, 32):
             raise ValueError(f"cvt_rows must be 8, 16 or 32, got {self.cvt_rows}")
         if self.producer_regs % 8 or not 56 <= self.producer_regs <= 256:
@@ -627,20 +407,16 @@ class FewHeadsParams:
                                           and self.smem_bytes() <= SMEM_PER_SM // 2 - 1024):
             raise ValueError("ctas_per_sm=2 needs reg_v, pv_in_flight <= 2 (128 registers a thread at launch) and "
                              f"half an SM's shared memory (k_stages=2), got {self}")
-        if self.k_stages < 2 or self.v_slots < 2 or self.smem_bytes() > 227 * 1024:
-            raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
-                             f"{self.k_stages}, {self.v_slots} ({self.smem_bytes()} B)")
+        if self.k_stages < 2 or self.smem_bytes() > 227 * 1024:
+            raise ValueError(f"k_stages >= 2 must fit 227 KB of shared memory, got {self.k_stages} "
+                             f"({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, K ring, V16 ring (nvfp4), P, plus ~2 KB (bias, mbarriers, Triton's warp-specialize state)."""
-        if self.cvt_e4m3:  # fp8 Q; a stage of 576 e4m3 (latent + RoPE) + 256 packed + 32 scale bytes
-            q, stage, v16 = BLOCK_H * HEAD_DIM, BLOCK_N * (HEAD_DIM + NVFP4_ROW_BYTES - ROPE_DIM), 0
-        elif self.nvfp4:  # Q as fp16 even / odd dims + fp8 RoPE; a stage of 256 packed + 32 scale + 64 RoPE bytes
-            q, stage = BLOCK_H * (2 * LATENT_DIM + ROPE_DIM), BLOCK_N * NVFP4_ROW_BYTES
-            v16 = self.v_slots * BLOCK_N * LATENT_DIM
-        else:
-            q, stage, v16 = BLOCK_H * HEAD_DIM, BLOCK_N * HEAD_DIM, 0
-        return q + self.k_stages * stage + v16 + BLOCK_H * BLOCK_N * 2 + 2048
+        """Q, the K ring (nvfp4: and the packed ring), P, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
+        stage = BLOCK_N * HEAD_DIM  # 576 e4m3 a row (latent + RoPE)
+        if self.nvfp4:  # + 256 packed and 32 scale bytes a row
+            stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM)
+        return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
@@ -653,14 +429,8 @@ class FewHeadsParams:
 
 
 def nvfp4_params() -> FewHeadsParams:
-    """The nvfp4_ds_mla shape: K ring 3 (22.5 KB a stage) and V16 4 halves (two tiles) fit 227 KB; 4 / 4 do not."""
-    return FewHeadsParams(k_stages=3, v_slots=4, nvfp4=True, reg_v=False)
-
-
-def nvfp4_e4m3_params() -> FewHeadsParams:
-    """nvfp4_ds_mla through e4m3: K ring 3 (a stage 36 KB fp8 + 18 KB packed), the gatherer 96 registers, the
-    converter 128."""
-    return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, cvt_e4m3=True, producer_regs=96, converter_regs=128)
+    """nvfp4_ds_mla: K ring 3 (a stage 36 KB fp8 + 18 KB packed), the gatherer 96 registers, the converter 128."""
+    return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, producer_regs=96, converter_regs=128)
 
 
 def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
@@ -673,10 +443,9 @@ def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
     """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
-    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages, V_SLOTS=params.v_slots,
+    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4,
-                PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early, CVT_E4M3=params.cvt_e4m3,
-                CVT_REGS=params.converter_regs)
+                PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early, CVT_REGS=params.converter_regs)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,

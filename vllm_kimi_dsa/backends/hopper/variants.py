@@ -85,5 +85,5 @@ def gluon_choice(fmt: str, heads: int, want: str) -> GluonChoice | None:
         params = gluon_few_heads.reg_v_params()
         return GluonChoice(params, gluon_few_heads.launch, few_heads_config(), large=(params, two),
                            large_launch=gluon_few_heads.launch, verified=verified("few-fp8" + multi))
-    params = gluon_few_heads.nvfp4_e4m3_params()
+    params = gluon_few_heads.nvfp4_params()
     return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4" + multi))
