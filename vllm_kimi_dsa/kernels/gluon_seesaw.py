@@ -252,6 +252,9 @@ if gl is not None:
         store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
         fence_async_shared()
 
+        # one warp_specialize a format: the packed ring exists only for nvfp4 (allocating it for fp8 too would move
+        # the fp8 kernel's shared memory), and the partitions' argument tuples cannot be shared (a tuple variable
+        # loses its constexprs)
         if NVFP4:  # the packed ring the gatherer converts from (a stage: packed bytes, scales, RoPE, bias)
             plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             rope_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
