@@ -135,6 +135,24 @@ def time_rotated(make_call, rows: int, heads: int, splits: int, row_nbytes: int,
     return us, ws, outs, lses, sets
 
 
+def accuracy_case(heads: int, width: int, caches: dict, source: torch.Tensor, dev, g):
+    """The batch both Gluon benches check each kernel on first: 5 rows of `width` slots into the caches, -1 holes, a
+    count-0 row. Returns (q, slots, counts, each format's reference (out, lse), the unquantized rows' answer), and
+    prints each format's own quantization error (its reference against the unquantized rows')."""
+    cache_rows = source.shape[0]
+    q = (torch.randn(5, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
+    slots = torch.randint(0, cache_rows, (5, width), device=dev, generator=g, dtype=torch.int32)
+    slots[torch.rand(5, width, device=dev, generator=g) < 0.05] = -1
+    counts = torch.tensor([width, 0, 1000, width - 1, 77], device=dev, dtype=torch.int32)
+    refs = {fmt: reference_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE)
+            for fmt, kv in caches.items()}
+    src = source_reference_decode(q, source, slots, counts, softmax_scale=SSCALE, output_scale=OSCALE)[0]
+    for fmt, (ref_o, _) in refs.items():
+        print(f"{fmt} reference vs the unquantized rows, H={heads}: rel "
+              f"{float((ref_o - src).norm() / src.norm()):.2e}")
+    return q, slots, counts, refs, src
+
+
 def _fmt(name: str) -> str:
     """The cache format a kernel name reads (SeesawParams(nvfp4=True): nvfp4_ds_mla)."""
     return "nvfp4_ds_mla" if name == "triton-nvfp4" or SEESAW_VARIANTS.get(name, {}).get("nvfp4") else "fp8"
@@ -181,17 +199,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(CACHE_ROWS, 576, device=dev, generator=g) * 8
     kvs = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
-    # accuracy: 5 rows, holes, a count-0 row
-    q5 = (torch.randn(5, HEADS, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
-    s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
-    s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
-    c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
-    refs = {fmt: reference_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE)
-            for fmt, kv in kvs.items()}
-    # the unquantized rows' answer: each format's own quantization error shows beside the kernel's
-    src = source_reference_decode(q5, x, s5, c5, softmax_scale=SSCALE, output_scale=OSCALE)[0]
-    for fmt, (ref_o, _) in refs.items():
-        print(f"{fmt} reference vs the unquantized rows: rel {float((ref_o - src).norm() / src.norm()):.2e}")
+    q5, s5, c5, refs, src = accuracy_case(HEADS, K, kvs, x, dev, g)
     results: dict[str, dict] = {}
     for name in names:
         rec: dict = {"times": {}, "fmt": _fmt(name)}

@@ -384,3 +384,20 @@ def test_bench_host_guards_the_launch_queue_and_the_device(monkeypatch: pytest.M
         monkeypatch.setattr(sys, "argv", ["bench_host.py"])
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bench_host.main()
+
+
+def test_gluon_benches_accuracy_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_gluon.accuracy_case (both Gluon benches' accuracy batch) on a CPU: a count-0 row, -1 holes, each format's
+    reference on its cache, the unquantized rows' answer, and each format's own error printed (nvfp4's larger)."""
+    import bench_gluon as bg
+    from vllm_kimi_dsa.formats import quantize_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 576, generator=g) * 8
+    caches = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
+    q, slots, counts, refs, src = bg.accuracy_case(12, 128, caches, x, "cpu", g)
+    assert q.shape == (5, 12, 576) and slots.shape == (5, 128) and counts.tolist()[:2] == [128, 0]
+    assert (slots == -1).any() and set(refs) == {"fp8", "nvfp4_ds_mla"}
+    assert torch.equal(src[1], torch.zeros_like(src[1])) and torch.isfinite(src).all()
+    errs = [float(m) for m in re.findall(r"rel ([0-9.e+-]+)", capsys.readouterr().out)]
+    assert len(errs) == 2 and 0 < errs[0] < errs[1] < 0.5, errs

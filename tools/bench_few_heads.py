@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from vllm_kimi_dsa import planning  # noqa: E402
 from vllm_kimi_dsa.bench import ceilings  # noqa: E402
@@ -33,7 +34,7 @@ from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
-from vllm_kimi_dsa.reference import reference_decode, source_reference_decode  # noqa: E402
+from bench_gluon import accuracy_case  # noqa: E402
 from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
 
 K = 2048
@@ -141,16 +142,7 @@ def main() -> None:
     caches = {fmt: quantize_rows(x, fmt) for fmt in ("fp8", "nvfp4_ds_mla")}
     results: dict[str, dict] = {}
     for heads in heads_list:
-        q5 = (torch.randn(5, heads, 576, device=dev, generator=g) * 4).to(torch.float8_e4m3fn)
-        s5 = torch.randint(0, CACHE_ROWS, (5, K), device=dev, generator=g, dtype=torch.int32)
-        s5[torch.rand(5, K, device=dev, generator=g) < 0.05] = -1
-        c5 = torch.tensor([K, 0, 1000, K - 1, 77], device=dev, dtype=torch.int32)
-        refs = {fmt: reference_decode(q5, kv, s5, c5, fmt=fmt, softmax_scale=SSCALE, output_scale=OSCALE)
-                for fmt, kv in caches.items()}
-        # the unquantized rows' answer: each format's own quantization error shows beside the kernel's
-        src = source_reference_decode(q5, x, s5, c5, softmax_scale=SSCALE, output_scale=OSCALE)[0]
-        for fmt, (ref_o, _) in refs.items():
-            print(f"{fmt} reference vs the unquantized rows, H={heads}: rel {float((ref_o - src).norm() / src.norm()):.2e}")
+        q5, s5, c5, refs, src = accuracy_case(heads, K, caches, x, dev, g)
         for name in names:
             key, fmt = f"{name}/H{heads}", _fmt(name)
             kv = caches[fmt]
