@@ -44,7 +44,7 @@ OSCALE = 0.125
 # name -> the few-heads kernel's params (the names of earlier runs' JSON, which fit_plan_cost reads by default)
 VARIANTS = {"few-tail-regv": lambda: fh.reg_v_params(),  # one CTA an SM
             "few-tail-regv-2cta-early": lambda: fh.reg_v_params(2),  # two CTAs an SM
-            # through e4m3 since 2026-12-05 (the fp16 V16 form it replaced: results/latest/few-heads-e4m3)
+            # nvfp4_params: the e4m3 form
             "few-tail-nvfp4": lambda: fh.nvfp4_params()}
 # the plain kernel at its default config: "triton*" one launch at choose_splits' count, "triton-tail*" the plan
 NAMES = ["triton", "triton-nvfp4", "triton-tail", "triton-tail-nvfp4", *VARIANTS]

@@ -155,8 +155,8 @@ def unpack_nvfp4(rows: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_as_fp8(rows: torch.Tensor) -> torch.Tensor:
     """rows: (..., 352) uint8 nvfp4_ds_mla -> (..., 576) float8_e4m3fn: each latent value (e2m1 x its block's scale,
-    exact) rounded once to e4m3 (nearest even, saturating at +-448), the RoPE as is. What the few-heads kernel's e4m3
-    form computes with, so its tests hold it to the fp8 tolerance against this cache."""
+    exact) rounded once to e4m3 (nearest even, saturating at +-448), the RoPE as is. What the Gluon kernels' nvfp4
+    forms compute with, so their tests hold them to the fp8 tolerance against this cache."""
     return quantize_fp8(unpack_nvfp4(rows), 1.0)
 
 

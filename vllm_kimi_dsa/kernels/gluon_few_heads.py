@@ -119,8 +119,8 @@ if gl is not None:
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
         c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False,
     ):
-        """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a split's tiles): Q.K,
-        the online softmax and P.V with the latent from the K stage through registers (_v_chunk), so no V16 ring is
+        """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a split's tiles): Q.K, the online softmax and
+        P.V with the latent from the K stage through registers (_v_chunk), so no fp16 copy of it (a V16 ring) is
         written or read (64 KB of shared-memory traffic a tile each way). Tile it - 1's stage is held until its P.V
         operands are loaded in iteration it, then released (k_empty counts 1). Returns (acc0, acc1, m_i, l_acc), every
         wgmma retired.

@@ -1,9 +1,9 @@
 """The nvfp4_ds_mla latent decodes: e2m1 nibbles by PRMT table lookups (one `prmt` indexes an 8-entry byte table
 with 4 nibbles; a second moves the sign bits beside them).
 
-- To exact fp16 (both kernel families): the 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are fp16 values whose low byte is
+- To exact fp16 (the plain Triton kernel): the 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are fp16 values whose low byte is
   0, so their high bytes are the table.
-- To e4m3 (the few-heads kernel's e4m3 form): the table is the block's own, the 8 magnitudes times the block scale
+- To e4m3 (the Gluon kernels' nvfp4 forms, common.gluon.convert_tile_e4m3): the table is the block's own, the 8 magnitudes times the block scale
   rounded once to e4m3 (E4M3_BLOCK_TABLE_PTX, once a 16-value block), so a byte's two values cost ~5 instructions.
 """
 
