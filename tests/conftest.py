@@ -27,7 +27,7 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM  # noqa: E402
+from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, nvfp4_as_fp8  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.planning import qk_on_fp8_wgmma  # noqa: E402
@@ -66,10 +66,9 @@ class ReferenceKernel:
 
 # Hopper's fp8 wgmma adds the (exact) e4m3 products into an accumulator that keeps about 14
 # significant bits (DeepSeek-V3 report, 3.3.2), not fp32's 24: each k-step of 32 dims can lose 2**-14
-# of the running sum of |q_d k_d|. A 576-long dot is 18 k-steps; the Gluon nvfp4 kernel runs only the
-# 64 RoPE dims (2 k-steps) on it (its latent dot is fp16 x fp16, exact products, fp32 sums). The LSE, a
-# soft maximum, inherits that logit bound; a logit error e moves each p by a factor exp(+-e), so an
-# output bound gains 2e * max|v|.
+# of the running sum of |q_d k_d|. A 576-long dot is 18 k-steps (the Gluon nvfp4 forms too: they run
+# the fp8 decode of formats.nvfp4_as_fp8 of the rows). The LSE, a soft maximum, inherits that logit bound; a
+# logit error e moves each p by a factor exp(+-e), so an output bound gains 2e * max|v|.
 WGMMA_STEP_REL = 2.0**-14
 ALL_DIMS = slice(0, HEAD_DIM)
 ROPE_DIMS = slice(LATENT_DIM, HEAD_DIM)
@@ -80,11 +79,26 @@ def fp8_wgmma(config, fmt: str) -> bool:
     return torch.cuda.is_available() and qk_on_fp8_wgmma(config, fmt)
 
 
+def e4m3_form(kernel, fmt: str) -> bool:
+    """Whether a "triton" DecodeKernel runs nvfp4_ds_mla through a Gluon e4m3 form (on Hopper, where verified):
+    it then computes the fp8 decode of formats.nvfp4_as_fp8 of the rows, not the exact nvfp4 one."""
+    return fmt == "nvfp4_ds_mla" and bool(getattr(getattr(kernel, "gluon", None), "nvfp4", False))
+
+
+def computed_operands(kernel, fmt: str, query, kv_rows, softmax_scale: float, output_scale: float):
+    """(query, rows, fmt, softmax_scale, output_scale) of the decode `kernel` computes, for check_decode: a Gluon
+    nvfp4 form's fp8 rows (e4m3_form: nvfp4_as_fp8, each value rounded once to e4m3, saturating at +-448), else the
+    inputs as given."""
+    if e4m3_form(kernel, fmt):
+        return query, nvfp4_as_fp8(kv_rows), "fp8", softmax_scale, output_scale
+    return query, kv_rows, fmt, softmax_scale, output_scale
+
+
 def fp8_wgmma_dims(kernel, fmt: str) -> slice | None:
     """The head dims whose Q.K a "triton" DecodeKernel runs on fp8 wgmma (None: none): every dim for the fp8
-    wgmma configs, the RoPE only for the Gluon nvfp4 kernel; None for the reference stand-in."""
-    if getattr(getattr(kernel, "gluon", None), "nvfp4", False):
-        return ROPE_DIMS if torch.cuda.is_available() else None
+    wgmma configs and the Gluon nvfp4 forms (on computed_operands' rows); None for the reference stand-in."""
+    if e4m3_form(kernel, fmt):
+        return ALL_DIMS
     config = getattr(kernel, "config", None)
     return ALL_DIMS if config is not None and fp8_wgmma(config, fmt) else None
 

@@ -2,10 +2,11 @@
 
 Each kernel writes its split partial in fp16: the 64-head kernel from its wgmma accumulator through
 glcommon.wgmma_store_layout, the seesaw kernel and reg_v (one or two
-CTAs an SM) through glcommon.latent_store_layout, nvfp4 with a plain cast (its O^T halves hold even / odd dims).
+CTAs an SM) and both nvfp4 (e4m3) forms through glcommon.latent_store_layout.
 Inputs are test_gluon_decode's (holes, junk past counts, a count-0 row, a 1-token row, an all-holes row); outputs
 and the scratch are poisoned with NaN first, so an entry a kernel leaves unwritten fails. Tolerance: the kernel's
-own check plus the partials' rounding (test_triton_decode.PARTIAL_ERR: 2^-11 of max |v| * output_scale for fp16).
+own check plus the partials' rounding (test_triton_decode.PARTIAL_ERR: 2^-11 of max |v| * output_scale for fp16);
+nvfp4 against the fp8 decode it computes (on formats.nvfp4_as_fp8 of the rows).
 Hopper only: skips with the reason elsewhere (the plain Triton kernel's are tested on CPU in
 test_triton_decode.test_partial_dtype).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GLUON_GPU, ROPE_DIMS
+from conftest import GLUON_GPU
 from test_gluon_decode import _case, _poisoned
 from test_triton_decode import PARTIAL_ERR
 from test_triton_decode import _check as triton_check
@@ -23,7 +24,8 @@ from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
 from vllm_kimi_dsa.planning import gluon_config
 from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_sparse_mla_decode, nvfp4_params, reg_v_params
 from vllm_kimi_dsa.planning import few_heads_config
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode
+from vllm_kimi_dsa.formats import nvfp4_as_fp8
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, nvfp4_seesaw_params, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.kernels import common as kcommon
 
 GPU = GLUON_GPU
@@ -41,12 +43,14 @@ CASES = [
     ("few", reg_v_params(2), 5, 16, 2048, 32),
     ("few", reg_v_params(2), 7, 24, 1024, 3),
     ("nvfp4", nvfp4_params(), 5, 12, 2048, 8),
+    ("seesaw", nvfp4_seesaw_params(), 5, 128, 2048, 3),
 ]
 
 
 def _id(c) -> str:
     kernel, params, rows, heads, width, splits = c
     form = "regv2" if getattr(params, "ctas_per_sm", 1) == 2 else "regv" if getattr(params, "reg_v", False) else ""
+    form += "-nvfp4" if getattr(params, "nvfp4", False) else ""
     return f"{kernel}{form}-r{rows}-h{heads}-k{width}-s{splits}"
 
 
@@ -55,7 +59,7 @@ def _id(c) -> str:
 def test_partials_match_reference(case) -> None:
     dtype = kcommon.PARTIAL_DTYPE
     kernel, params, rows, heads, width, splits = case
-    fmt = "nvfp4_ds_mla" if kernel == "nvfp4" else "fp8"
+    fmt = "nvfp4_ds_mla" if getattr(params, "nvfp4", False) else "fp8"
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=rows * 7 + heads + splits, fmt=fmt)
     config = gluon_config() if kernel in ("gluon", "seesaw") else params.config(heads)
     ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=config,
@@ -70,7 +74,8 @@ def test_partials_match_reference(case) -> None:
     else:
         few_heads_sparse_mla_decode(q, kv, slots, counts, params=params, **args)
     torch.cuda.synchronize()
-    wgmma = ROPE_DIMS if fmt == "nvfp4_ds_mla" else True
+    if fmt == "nvfp4_ds_mla":  # the e4m3 forms compute an fp8 decode
+        kv = nvfp4_as_fp8(kv)
     check_config = gluon_config() if kernel in ("gluon", "seesaw") else few_heads_config()
-    triton_check(out, lse, q, kv, slots, counts, fmt, ss, os_, config=check_config, wgmma=wgmma,
+    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=check_config, wgmma=True,
                  partial_err=PARTIAL_ERR[dtype])

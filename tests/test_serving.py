@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fp8_wgmma_dims
+from conftest import computed_operands, fp8_wgmma_dims
 from decode_checks import check_decode
 
 from vllm_kimi_dsa import serving
@@ -61,7 +61,10 @@ def _check(step: LayerStep, out, lse, inputs, rows: int) -> None:
     kv_rows, _ = flat_kv_row_view(case.cache, 64)
     core = step.core
     kernel = core.decode_kernel(min(rows, step.shape.max_rows))
-    check_decode(out, lse, case.query, kv_rows, slots, counts, core.fmt, core.softmax_scale, core.output_scale,
+    # against the decode the kernel computes (a Gluon nvfp4 form: the fp8 one on formats.nvfp4_as_fp8 of the rows)
+    q, kv, fmt, ss, os_ = computed_operands(kernel, core.fmt, case.query, kv_rows, core.softmax_scale,
+                                            core.output_scale)
+    check_decode(out, lse, q, kv, slots, counts, fmt, ss, os_,
                  config=getattr(kernel, "config", None), wgmma=fp8_wgmma_dims(kernel, core.fmt) or False)
 
 

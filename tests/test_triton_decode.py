@@ -22,7 +22,7 @@ from vllm_kimi_dsa.backends.hopper import TritonDecode
 from vllm_kimi_dsa.kernels.common import make_workspace
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.kernels import common as kcommon
-from conftest import fp8_wgmma_dims
+from conftest import computed_operands, fp8_wgmma_dims
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -39,6 +39,13 @@ from decode_checks import (  # noqa: E402, F401  (the shared tolerances and chec
 )
 from decode_checks import check_decode as _check  # noqa: E402
 from decode_checks import fp8_wgmma_for as _fp8_wgmma  # noqa: E402, F401
+
+
+def _check_as_computed(kernel, out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale) -> None:
+    """_check against the decode a TritonDecode computes (conftest.computed_operands: a Gluon nvfp4 form's fp8
+    rows), with its logit bound."""
+    q, kv, fmt_c, ss, os_ = computed_operands(kernel, fmt, q, kv, softmax_scale, output_scale)
+    _check(out, lse, q, kv, slots, counts, fmt_c, ss, os_, wgmma=fp8_wgmma_dims(kernel, fmt) or False)
 from decode_checks import random_case as _case  # noqa: E402
 
 
@@ -209,7 +216,7 @@ def test_tail_split_through_the_kernel_class(fmt, monkeypatch):
     out = torch.full((rows, 16, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse = torch.full((rows, 16), float("nan"), device=DEVICE)
     k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
-    _check(out, lse, q, kv, slots, counts, fmt, 0.04, 0.37, wgmma=fp8_wgmma_dims(k, fmt) or False)
+    _check_as_computed(k, out, lse, q, kv, slots, counts, fmt, 0.04, 0.37)
 
 
 def test_kernel_class_protocol():
@@ -223,8 +230,9 @@ def test_kernel_class_protocol():
     out = torch.full((5, 12, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse = torch.full((5, 12), float("nan"), device=DEVICE)
     k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
-    # the kernel TritonDecode picked (on Hopper the Gluon nvfp4 one, RoPE on fp8 wgmma) sets the logit bound
-    _check(out, lse, q, kv, slots, counts, "nvfp4_ds_mla", 0.04, 1.0, wgmma=fp8_wgmma_dims(k, "nvfp4_ds_mla") or False)
+    # the kernel TritonDecode picked (on Hopper the Gluon nvfp4 form: the fp8 decode of nvfp4_as_fp8 of the rows)
+    # sets the reference and the logit bound
+    _check_as_computed(k, out, lse, q, kv, slots, counts, "nvfp4_ds_mla", 0.04, 1.0)
     q2, kv2, slots2, counts2, _, _ = _case(5, 12, 256, "nvfp4_ds_mla", seed=4)
     with pytest.raises(ValueError, match="width"):  # a width never planned
         k(q2, kv2, slots2, counts2, out, lse, block_size=64, rows_per_block_stride=64)
@@ -308,4 +316,4 @@ def test_gpu_cuda_graph_replay(fmt, heads):
     out.fill_(float("nan")), lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, lse, q, kv, slots, counts, fmt, ss, os_, wgmma=fp8_wgmma_dims(k, fmt) or False)
+    _check_as_computed(k, out, lse, q, kv, slots, counts, fmt, ss, os_)

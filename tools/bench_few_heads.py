@@ -32,6 +32,7 @@ from vllm_kimi_dsa.bench import ceilings  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
+from vllm_kimi_dsa.kernels import gluon_seesaw as gs  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from bench_gluon import accuracy_case  # noqa: E402
@@ -45,7 +46,10 @@ OSCALE = 0.125
 VARIANTS = {"few-tail-regv": lambda: fh.reg_v_params(),  # one CTA an SM
             "few-tail-regv-2cta-early": lambda: fh.reg_v_params(2),  # two CTAs an SM
             # nvfp4_params: the e4m3 form
-            "few-tail-nvfp4": lambda: fh.nvfp4_params()}
+            "few-tail-nvfp4": lambda: fh.nvfp4_params(),
+            # the seesaw kernel's nvfp4 form (one 64-head block, heads past H masked) on <= 32 heads: the
+            # alternative to the few-heads form's one pass a 16-head block above 16 heads
+            "seesaw-tail-nvfp4": lambda: gs.nvfp4_seesaw_params()}
 # the plain kernel at its default config: "triton*" one launch at choose_splits' count, "triton-tail*" the plan
 NAMES = ["triton", "triton-nvfp4", "triton-tail", "triton-tail-nvfp4", *VARIANTS]
 
@@ -54,7 +58,7 @@ def _fmt(name: str) -> str:
     return "nvfp4_ds_mla" if name.endswith("-nvfp4") else "fp8"
 
 
-def _params(name: str) -> fh.FewHeadsParams:
+def _params(name: str) -> fh.FewHeadsParams | gs.SeesawParams:
     return VARIANTS[name]()
 
 
@@ -73,9 +77,10 @@ def _launch(name: str, heads: int, lead_tiles: int = 0):
                                  workspace=ws, config=cfg, splits=splits)
         return launch
     params = _params(name)
+    module_launch = gs.launch if name.startswith("seesaw") else fh.launch
 
     def launch(q, kv, s, c, o, lse, ws, splits):
-        fh.launch(q, kv, s, c, o, lse, SSCALE, OSCALE, ws, splits, params, lead_tiles)
+        module_launch(q, kv, s, c, o, lse, SSCALE, OSCALE, ws, splits, params, lead_tiles)
     return launch
 
 
