@@ -27,7 +27,7 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, nvfp4_as_fp8  # noqa: E402
+from vllm_kimi_dsa.formats import HEAD_DIM, nvfp4_as_fp8  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.planning import qk_on_fp8_wgmma  # noqa: E402
@@ -71,7 +71,6 @@ class ReferenceKernel:
 # logit error e moves each p by a factor exp(+-e), so an output bound gains 2e * max|v|.
 WGMMA_STEP_REL = 2.0**-14
 ALL_DIMS = slice(0, HEAD_DIM)
-ROPE_DIMS = slice(LATENT_DIM, HEAD_DIM)
 
 
 def fp8_wgmma(config, fmt: str) -> bool:

@@ -39,6 +39,7 @@ from decode_checks import (  # noqa: E402, F401  (the shared tolerances and chec
 )
 from decode_checks import check_decode as _check  # noqa: E402
 from decode_checks import fp8_wgmma_for as _fp8_wgmma  # noqa: E402, F401
+from decode_checks import random_case as _case  # noqa: E402
 
 
 def _check_as_computed(kernel, out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale) -> None:
@@ -46,7 +47,6 @@ def _check_as_computed(kernel, out, lse, q, kv, slots, counts, fmt, softmax_scal
     rows), with its logit bound."""
     q, kv, fmt_c, ss, os_ = computed_operands(kernel, fmt, q, kv, softmax_scale, output_scale)
     _check(out, lse, q, kv, slots, counts, fmt_c, ss, os_, wgmma=fp8_wgmma_dims(kernel, fmt) or False)
-from decode_checks import random_case as _case  # noqa: E402
 
 
 def _run_functional(rows, heads, width, fmt, seed, *, with_lse=True, config=None, splits=None):
