@@ -151,14 +151,16 @@ def test_nvfp4_cuda_graph_replay(splits: int) -> None:
 
 
 @GPU
-def test_kernel_class_runs_nvfp4_on_seesaw(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TritonDecode (nvfp4_ds_mla, 128 heads): every launch on the seesaw kernel's nvfp4 form (where verified), split
-    and tail-split plans included; all match the reference on nvfp4_as_fp8 of the cache."""
+@pytest.mark.parametrize("heads", [128, 32, 24])
+def test_kernel_class_runs_nvfp4_on_seesaw(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (nvfp4_ds_mla): at > 32 heads every launch on the seesaw kernel's nvfp4 form (where verified),
+    split and tail-split plans included; at 17..32 heads the batches of NVFP4_SEESAW_MIN_ROWS rows or more (heads
+    past H masked), the 5-row one on the few-heads form; all match the reference on nvfp4_as_fp8 of the cache."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
     monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
-    rows_list, width, heads, fmt = (5, 64, 80), 2048, 128, "nvfp4_ds_mla"
+    rows_list, width, fmt = (5, 9, 64, 80), 2048, "nvfp4_ds_mla"
     q, kv, slots, counts, ss, os_ = _case(max(rows_list), heads, width, seed=67, fmt=fmt)
     setup = DecodeSetup(device=DEVICE, fmt=fmt, heads=heads, row_counts=rows_list, capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
@@ -166,6 +168,8 @@ def test_kernel_class_runs_nvfp4_on_seesaw(monkeypatch: pytest.MonkeyPatch) -> N
     if k.gluon is None:
         pytest.skip("the seesaw kernel's nvfp4 form is not verified on this Triton")
     assert all(p.nvfp4 for r in rows_list for p in k.plan_params[r, width]), k.plan_params
+    seesaw = {r for r in rows_list if all(isinstance(p, SeesawParams) for p in k.plan_params[r, width])}
+    assert seesaw == ({9, 64, 80} if heads <= 32 else set(rows_list)), k.plan_params
     for rows in rows_list:
         out, lse = _poisoned(rows, heads)
         k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)

@@ -96,8 +96,15 @@ def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) ->
         if not k.gluon_large:
             assert all(pair == (k.gluon, k.gluon) for pair in k.plan_params.values())
         return
+    if fmt != "fp8":  # nvfp4 few heads; 17..32 heads: the seesaw nvfp4 form from NVFP4_SEESAW_MIN_ROWS rows
+        assert k.gluon_large == ((SeesawParams(k_stages=3, nvfp4=True, r_stages=2, cvt_rows=8),)
+                                 if want and heads > 16 else ())
+        for (rows, _), pair in k.plan_params.items():
+            seesaw = want and heads > 16 and rows >= variants.NVFP4_SEESAW_MIN_ROWS
+            assert pair == ((k.gluon_large[0],) * 2 if seesaw else (k.gluon, k.gluon)), (rows, pair)
+        return
     # fp8 few heads: every batch on reg_v, at one or two CTAs an SM, with the same tile shape
-    assert bool(k.gluon_large) == (want and fmt == "fp8")
+    assert bool(k.gluon_large) == want
     assert [p.ctas_per_sm for p in k.gluon_large] == ([1, 2] if k.gluon_large else [])
     for p in k.gluon_large:
         assert p.reg_v and p.config(heads) == dataclasses.replace(k.config, ctas_per_sm=p.ctas_per_sm,
@@ -228,6 +235,34 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
         whole = k._plans[r, 512][0]
         assert isinstance(k.plan_params[r, 512][0], SeesawParams), r
         assert isinstance(k.plan_params[r, 512][1], SeesawParams) == (not whole), r
+
+
+@pytest.mark.parametrize("heads", [17, 24, 32, 16])
+def test_nvfp4_seesaw_form_runs_the_larger_batches_of_17_to_32_heads(heads: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs on a CPU too (the binding): nvfp4 at 17..32 heads runs plans of >= NVFP4_SEESAW_MIN_ROWS rows on the
+    seesaw kernel's nvfp4 form (both launches, the plan the 64-head config makes) and smaller ones on the few-heads
+    form (its own plans); at 16 heads every plan stays on the few-heads form."""
+    from vllm_kimi_dsa.planning import choose_plan
+
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
+    setup = DecodeSetup(device=DEVICE, fmt="nvfp4_ds_mla", heads=heads, row_counts=(40,), capacities=(),
+                        widths=(512, 2048), return_lse=True, softmax_scale=0.04, output_scale=1.0)
+    k = TritonDecode(setup)
+    assert isinstance(k.gluon, FewHeadsParams) and k.gluon.nvfp4
+    seesaw_rows = set()
+    for (rows, width), (first, tail) in k.plan_params.items():
+        seesaw = heads > 16 and rows >= variants.NVFP4_SEESAW_MIN_ROWS
+        assert first is tail and isinstance(first, SeesawParams) == seesaw and first.nvfp4, (rows, first)
+        config = first.config(heads) if seesaw else k.config
+        assert k._plans[rows, width] == choose_plan(rows, heads, width, config, 132)
+        seesaw_rows |= {rows} if seesaw else set()
+    assert seesaw_rows == (set(range(variants.NVFP4_SEESAW_MIN_ROWS, 41)) if heads > 16 else set())
+    # the workspace holds every plan's splits (made after the binding re-made the seesaw plans)
+    from vllm_kimi_dsa.kernels.common.workspace import split_entries
+    assert k.workspace.capacity >= split_entries(k._plans, heads)
 
 
 def test_run_plan_runs_split_rows_on_split_launch() -> None:

@@ -27,8 +27,8 @@ class TritonDecode:
     """DecodeKernel "triton": kernels by (heads, fmt), plans by (rows, K), launches bound and scratch made here.
 
     config: the plan Config of the batch's plans; gluon: the Gluon params bound (None: the plain kernel);
-    gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; > 32 heads: the seesaw
-    kernel); plan_params[rows, width]: (the first launch's params, the split rows' launch's); plan_leads[rows, width]:
+    gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; nvfp4 17..32 heads and
+    > 32 heads fp8: the seesaw kernel); plan_params[rows, width]: (the first launch's params, the split rows' launch's); plan_leads[rows, width]:
     the one-launch plan's lead (choose_lead), 0 if none.
     """
 
@@ -53,8 +53,10 @@ class TritonDecode:
 
     def _bind(self, choice: GluonChoice | None, sms: int) -> None:
         """Each plan's launches, bound once (the call path does not branch on them): few heads fp8, the occupancy the
-        model costs least, for both launches (its plan re-made for it); > 32 heads, the seesaw kernel for the launches
-        seesaw_takes, gluon_decode's for a split tail after whole rows; a one-launch plan's lead bound into its launch."""
+        model costs least, for both launches (its plan re-made for it); nvfp4 17..32 heads, the seesaw kernel's nvfp4
+        form for both launches of plans of large_from_rows rows or more (re-made the same way); > 32 heads, the seesaw
+        kernel for the launches seesaw_takes, gluon_decode's for a split tail after whole rows; a one-launch plan's
+        lead bound into its launch."""
         heads = self.setup.heads
         small: Kernel = (self.gluon, choice.launch if choice else None)
         large: list[Kernel] = [(p, choice.large_launch) for p in self.gluon_large]
@@ -64,7 +66,12 @@ class TritonDecode:
         for (rows, width), (whole, splits) in self._plans.items():
             first = tail = small
             plan_config = self.config
-            if seesaw is None and large:
+            if choice is not None and choice.large_from_rows:
+                if rows >= choice.large_from_rows:
+                    plan_config = large_configs[0]
+                    self._plans[rows, width] = choose_plan(rows, heads, width, plan_config, sms)
+                    first = tail = large[0]
+            elif seesaw is None and large:
                 costs = [plan_cost(rows, heads, width, c, sms) for c in large_configs]
                 best = costs.index(min(costs))
                 plan_config = large_configs[best]

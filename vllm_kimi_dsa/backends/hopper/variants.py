@@ -19,7 +19,8 @@ from vllm_kimi_dsa.planning import Config, few_heads_config
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
-    # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads, every launch (3.8 not GPU-tested yet)
+    # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads every launch, 17..32 heads the plans of
+    # NVFP4_SEESAW_MIN_ROWS rows or more (3.8 not GPU-tested yet)
     "seesaw-nvfp4": ("3.6",),
     "few-fp8": ("3.6", "3.8"),  # gluon_few_heads reg_v, one and two CTAs an SM, <= 16 heads
     "few-fp8-multi": ("3.6", "3.8"),  # ... 17..32 heads (16-head blocks)
@@ -30,6 +31,11 @@ VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
 # the seesaw kernel takes unsplit launches of rows of at least this many 64-token tiles (and every one-launch plan);
 # a split tail after whole rows runs faster on gluon_decode's kernel
 SEESAW_MIN_TILES = 8
+# nvfp4 at 17..32 heads: plans of at least this many rows run on the seesaw kernel's nvfp4 form (one 64-head block,
+# each row converted once) instead of the few-heads form (each row converted once a 16-head block). H100, K 2048,
+# 32 heads, seesaw vs few-heads µs: 1 row 10.7 / 9.8, 5: 14.6 / 14.3, 8: 15.5 / 15.9, 20: 25.1 / 27.3,
+# 160: 126.8 / 154.3, 320: 232.3 / 290.0 (benchmarks/results/latest/h100-2026-12-05b, bench_few_heads)
+NVFP4_SEESAW_MIN_ROWS = 8
 
 
 def verified(variant: str) -> bool:
@@ -49,7 +55,8 @@ class GluonChoice:
 
     params / launch: every launch's kernel unless `large` takes it. config: the plan Config of the batch's plans.
     large / large_launch: few heads fp8, the params of each occupancy, picked per plan by plan cost (for both of its
-    launches); > 32 heads, the seesaw kernel's, for the launches seesaw_takes. seesaw: which of the two `large` is.
+    launches); > 32 heads, the seesaw kernel's, for the launches seesaw_takes (seesaw: which of the two `large` is);
+    nvfp4 17..32 heads, the seesaw kernel's nvfp4 form for every launch of the plans of large_from_rows rows or more.
     verified: whether this Triton is one every bound variant passed its GPU tests on.
     """
 
@@ -59,6 +66,7 @@ class GluonChoice:
     large: tuple[Any, ...] = ()
     large_launch: Any = None
     seesaw: bool = False
+    large_from_rows: int = 0
     verified: bool = True
 
 
@@ -86,4 +94,8 @@ def gluon_choice(fmt: str, heads: int, want: str) -> GluonChoice | None:
         return GluonChoice(params, gluon_few_heads.launch, few_heads_config(), large=(params, two),
                            large_launch=gluon_few_heads.launch, verified=verified("few-fp8" + multi))
     params = gluon_few_heads.nvfp4_params()
-    return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4" + multi))
+    if not multi:
+        return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4"))
+    return GluonChoice(params, gluon_few_heads.launch, params.config(), large=(gluon_seesaw.nvfp4_seesaw_params(),),
+                       large_launch=gluon_seesaw.launch, large_from_rows=NVFP4_SEESAW_MIN_ROWS,
+                       verified=verified("few-nvfp4-multi") and verified("seesaw-nvfp4"))
