@@ -27,11 +27,11 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_kimi_dsa.formats import HEAD_DIM, nvfp4_as_fp8  # noqa: E402
+from vllm_kimi_dsa.formats import HEAD_DIM, dequantize_rows, nvfp4_e4m3_values  # noqa: E402
 from vllm_kimi_dsa.kernels.base import DecodeSetup  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.planning import qk_on_fp8_wgmma  # noqa: E402
-from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
+from vllm_kimi_dsa.reference import reference_decode, source_reference_decode  # noqa: E402
 
 # the Gluon kernels' GPU tests: skipped, with the reason, where Gluon cannot run (CPU CI, other GPUs, other Triton)
 GLUON_GPU = pytest.mark.skipif(not gluon_available(), reason=gluon_unavailable_reason() or "gluon unavailable")
@@ -78,18 +78,37 @@ def fp8_wgmma(config, fmt: str) -> bool:
     return torch.cuda.is_available() and qk_on_fp8_wgmma(config, fmt)
 
 
+# The tests' name for rows given as the float32 values a kernel computes with ((num_rows, 576); e.g.
+# formats.nvfp4_e4m3_values): decode_reference and float_rows take it beside the cache formats.
+VALUES = "values"
+
+
+def float_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows of `fmt` (or VALUES) as float32 (..., 576)."""
+    return rows.float() if fmt == VALUES else dequantize_rows(rows, fmt)
+
+
+def decode_reference(query, rows, slots, counts, *, fmt: str, softmax_scale: float, output_scale: float):
+    """reference_decode, or on VALUES rows the same float32 decode of those values."""
+    if fmt == VALUES:
+        return source_reference_decode(query, rows, slots, counts, softmax_scale=softmax_scale,
+                                       output_scale=output_scale)
+    return reference_decode(query, rows, slots, counts, fmt=fmt, softmax_scale=softmax_scale,
+                            output_scale=output_scale)
+
+
 def e4m3_form(kernel, fmt: str) -> bool:
     """Whether a "triton" DecodeKernel runs nvfp4_ds_mla through a Gluon e4m3 form (on Hopper, where verified):
-    it then computes the fp8 decode of formats.nvfp4_as_fp8 of the rows, not the exact nvfp4 one."""
+    it then computes the fp8 decode of formats.nvfp4_e4m3_values of the rows, not the exact nvfp4 one."""
     return fmt == "nvfp4_ds_mla" and bool(getattr(getattr(kernel, "gluon", None), "nvfp4", False))
 
 
 def computed_operands(kernel, fmt: str, query, kv_rows, softmax_scale: float, output_scale: float):
-    """(query, rows, fmt, softmax_scale, output_scale) of the decode `kernel` computes, for check_decode: a Gluon
-    nvfp4 form's fp8 rows (e4m3_form: nvfp4_as_fp8, each value rounded once to e4m3, saturating at +-448), else the
-    inputs as given."""
+    """(query, rows, fmt, softmax_scale, output_scale) of the decode `kernel` computes, for decode_reference: a Gluon
+    nvfp4 form's values (e4m3_form: nvfp4_e4m3_values, each value rounded once to e4m3 after its row's shift) as
+    VALUES, else the inputs as given."""
     if e4m3_form(kernel, fmt):
-        return query, nvfp4_as_fp8(kv_rows), "fp8", softmax_scale, output_scale
+        return query, nvfp4_e4m3_values(kv_rows), VALUES, softmax_scale, output_scale
     return query, kv_rows, fmt, softmax_scale, output_scale
 
 
@@ -104,16 +123,15 @@ def fp8_wgmma_dims(kernel, fmt: str) -> slice | None:
 
 def wgmma_logit_bound(query, kv_rows, slots, counts, fmt: str, softmax_scale: float,
                       dims: slice = ALL_DIMS) -> torch.Tensor:
-    """(rows,) bound of the fp8-wgmma logit error over `dims`: k-steps * 2**-14 * scale * max_j sum_d |q_d k_jd|."""
-    from vllm_kimi_dsa.formats import dequantize_rows
-
+    """(rows,) bound of the fp8-wgmma logit error over `dims`: k-steps * 2**-14 * scale * max_j sum_d |q_d k_jd|
+    (rows of `fmt` or VALUES)."""
     steps = -(-(dims.stop - dims.start) // 32)
     bound = torch.zeros(slots.shape[0], device=query.device)
     for i in range(slots.shape[0]):
         c = int(counts[i])
         ids = slots[i, :c][slots[i, :c] >= 0].long()
         if ids.numel():
-            k_abs = dequantize_rows(kv_rows[ids], fmt)[:, dims].abs()
+            k_abs = float_rows(kv_rows[ids], fmt)[:, dims].abs()
             dot = (query[i].float()[:, dims].abs() @ k_abs.T).max()
             bound[i] = dot * abs(softmax_scale) * steps * WGMMA_STEP_REL
     return bound

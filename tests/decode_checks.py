@@ -11,9 +11,8 @@ import torch
 
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
 from vllm_kimi_dsa.planning import default_config
-from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.kernels import common as kcommon
-from conftest import ALL_DIMS, fp8_wgmma, wgmma_logit_bound
+from conftest import ALL_DIMS, decode_reference, float_rows, fp8_wgmma, wgmma_logit_bound
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -77,7 +76,7 @@ def fp8_wgmma_for(heads, fmt, config=None):
 
 def check_decode(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None,
                  partial_err=SHIPPED_PARTIAL_ERR):
-    """wgmma: the head dims whose logits come from fp8 wgmma without promotion (a slice, e.g. conftest.ALL_DIMS),
+    """kv: rows of `fmt`, or conftest.VALUES rows. wgmma: the head dims whose logits come from fp8 wgmma without promotion (a slice, e.g. conftest.ALL_DIMS),
     True for all, False for none; None: from the config. partial_err: the split partials'
     rounding (PARTIAL_ERR of the workspace's dtype; by default the shipped one's)."""
     if wgmma is None:
@@ -85,7 +84,7 @@ def check_decode(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scal
     dims = ALL_DIMS if wgmma is True else wgmma
     logit_err = (wgmma_logit_bound(q, kv, slots, counts, fmt, softmax_scale, dims).view(-1, 1, 1) if dims
                  else torch.zeros(1, 1, 1, device=q.device))
-    ref_out, ref_lse = reference_decode(
+    ref_out, ref_lse = decode_reference(
         q, kv, slots, counts, fmt=fmt, softmax_scale=softmax_scale, output_scale=output_scale
     )
     assert torch.isfinite(out).all(), "NaN/inf (or the poison) left in out"
@@ -101,12 +100,10 @@ def check_decode(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scal
         assert bool((lse_err <= lse_bound).all()), f"LSE error {lse_err.max().item():.3e} over its bound"
     # max |v| of the selected rows, per row, bounds the fp16-P error term
     vmax = torch.zeros(slots.shape[0], device=o.device)
-    from vllm_kimi_dsa.formats import dequantize_rows
-
     for i in range(slots.shape[0]):
         ids = slots[i][valid[i]].long()
         if ids.numel():
-            vmax[i] = dequantize_rows(kv[ids], fmt)[:, :LATENT_DIM].abs().max()
+            vmax[i] = float_rows(kv[ids], fmt)[:, :LATENT_DIM].abs().max()
     bound = OUT_REL * ref_out.abs() + (P_ERR + partial_err + 2 * logit_err) * (vmax * output_scale).view(-1, 1, 1)
     err = (o - ref_out).abs()
     worst = (err - bound).max().item()

@@ -27,6 +27,8 @@ from vllm_kimi_dsa.formats import (
     make_paged_cache,
     normalize_format,
     nvfp4_as_fp8,
+    nvfp4_e4m3_values,
+    nvfp4_row_shifts,
     pack_nvfp4,
     quantize_fp8,
     quantize_rows,
@@ -303,29 +305,41 @@ def _e4m3_finite_values() -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_nvfp4_as_fp8_rounds_each_value_once_to_nearest_e4m3(seed):
-    """nvfp4_as_fp8 (what the few-heads kernel's e4m3 form computes with): each latent value the e4m3 nearest to
-    e2m1 x scale (ties to an even mantissa), found here by brute force over every finite e4m3; RoPE bytes as is;
-    values past 448 saturate. Tiny and huge blocks included (scales at the 2**-9 floor and past 74)."""
+    """nvfp4_as_fp8 (the K rows the e4m3 forms write): each latent value x 2**-s (its row's shift) the e4m3 nearest
+    to it (ties to an even mantissa), found here by brute force over every finite e4m3; RoPE bytes as is; s the
+    least power that keeps the row within 448, so nothing saturates; nvfp4_e4m3_values scales the latent back.
+    Tiny and huge blocks included (scales at the 2**-9 floor and up to 448)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(64, HEAD_DIM, generator=g) * torch.logspace(-4, 2.5, 64).unsqueeze(1)
+    x = torch.randn(64, HEAD_DIM, generator=g) * torch.logspace(-4, 3.4, 64).unsqueeze(1)
     x[3, :16] *= 10.0  # a block whose products pass 448
     rows = pack_nvfp4(x)
     exact = unpack_nvfp4(rows).double()
+    shifts = nvfp4_row_shifts(rows)
+    scale_max = rows[:, NVFP4_SCALE_OFFSET:].contiguous().view(torch.float8_e4m3fn).float().abs().amax(dim=-1)
+    # the least s with scale_max x 2**-s <= 72 (6 x 72 = 432: the largest e4m3 table entry stays below 448)
+    want = torch.clamp(torch.ceil(torch.log2(scale_max / 72.0)), min=0).long()
+    assert torch.equal(shifts, want) and set(shifts.tolist()) == {0, 1, 2, 3}
     got = nvfp4_as_fp8(rows)
     assert got.dtype == torch.float8_e4m3fn and got.shape == (64, HEAD_DIM)
     grid = _e4m3_finite_values()
-    lat = exact[:, :LATENT_DIM].reshape(-1)
-    dist = (lat.unsqueeze(1) - grid.unsqueeze(0)).abs()
-    best = dist.min(dim=1).values
+    lat = (exact[:, :LATENT_DIM] * torch.pow(2.0, -shifts.double()).unsqueeze(1)).reshape(-1)
+    assert lat.abs().max() <= 432
+    best = (lat.unsqueeze(1) - grid.unsqueeze(0)).abs().min(dim=1).values
     g_lat = got[:, :LATENT_DIM].double().reshape(-1)
-    assert torch.equal((g_lat - lat).abs()[lat.abs() <= 448], best[lat.abs() <= 448])
-    assert torch.equal(g_lat[lat.abs() > 448].abs(), torch.full_like(g_lat[lat.abs() > 448], 448.0))
-    assert (lat.abs() > 448).any() and (lat.abs() < 2.0**-6).any()
+    assert torch.equal((g_lat - lat).abs(), best)
+    assert (lat.abs() < 2.0**-6).any()
+    values = nvfp4_e4m3_values(rows)
+    assert torch.equal(values[:, :LATENT_DIM].double(),
+                       got[:, :LATENT_DIM].double() * torch.pow(2.0, shifts.double()).unsqueeze(1))
+    # e4m3's rounding, never a clip: half an ulp (2**-4 relative) or, below 2**-6 x 2**s, half the subnormal step
+    err = (values.double() - exact).abs()
+    assert bool((err <= 2.0**-4 * exact.abs() + 2.0**-10 * 2.0 ** shifts.double().unsqueeze(1)).all())
     # ties go to the even mantissa: scale 1.125 (amax 6.75) x 6 = 6.75 -> 7, x 1.5 = 1.6875 -> 1.75, x 3 -> 3.5
     tie = torch.zeros(1, HEAD_DIM)
     tie[0, :3] = torch.tensor([6.75, 1.6875, -3.375])
     assert nvfp4_as_fp8(pack_nvfp4(tie))[0, :3].float().tolist() == [7.0, 1.75, -3.5]
     assert torch.equal(got[:, LATENT_DIM:].view(torch.uint8), rows[:, NVFP4_ROPE_OFFSET:NVFP4_SCALE_OFFSET])
+    assert torch.equal(values[:, LATENT_DIM:], exact[:, LATENT_DIM:].float())
 
 
 def test_nvfp4_leading_dims_and_dispatch():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import GLUON_GPU
-from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows
+from vllm_kimi_dsa.formats import LATENT_DIM, NVFP4_SCALE_OFFSET, quantize_rows
 from vllm_kimi_dsa.kernels import gluon_decode, gluon_seesaw, triton_decode
 from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_sparse_mla_decode
 from vllm_kimi_dsa.planning import gluon_config
@@ -90,13 +90,20 @@ CASES = [
 ]
 
 
-def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099, fmt: str = "fp8"):
+def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099, fmt: str = "fp8",
+          shifted: bool = True):
     """Fresh random inputs: N(0,1) rows (every 7th x8) quantized to fp8, e4m3 queries, slots with -1 holes and far
-    out-of-range junk past counts; row 1 count 0, row 2 count 1, row 3 width - 1, row 4 all holes."""
+    out-of-range junk past counts; row 1 count 0, row 2 count 1, row 3 width - 1, row 4 all holes. nvfp4: every
+    31st row's block scales negated; unless not `shifted`, every 29th row x400 too, block scales past 72, so the
+    e4m3 forms shift those rows (formats.nvfp4_row_shifts 1..3)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, 576, generator=g)
     x[::7] *= 8.0
+    if fmt == "nvfp4_ds_mla" and shifted:
+        x[3::29, :LATENT_DIM] *= 400.0
     kv = quantize_rows(x, fmt)
+    if fmt == "nvfp4_ds_mla":  # negative block scales (the layout allows them; random-byte caches have them)
+        kv[5::31, NVFP4_SCALE_OFFSET:] ^= 0x80
     q = (torch.randn(rows, heads, 576, generator=g) * 1.5).to(torch.float8_e4m3fn)
     slots = torch.randint(0, num_rows, (rows, width), generator=g, dtype=torch.int32)
     counts = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
@@ -116,9 +123,11 @@ def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099,
     return q.to(DEVICE), kv.to(DEVICE), slots.to(DEVICE), counts.to(DEVICE), softmax_scale, output_scale
 
 
-def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale) -> None:
-    """test_triton_decode's check (bf16 rounding, fp16 P, the fp8-wgmma logit bound) with the Gluon kernel's config."""
-    triton_check(out, lse, q, kv, slots, counts, "fp8", softmax_scale, output_scale, config=gluon_config())
+def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale, fmt: str = "fp8") -> None:
+    """test_triton_decode's check (bf16 rounding, fp16 P, the fp8-wgmma logit bound) with the Gluon kernel's config;
+    kv: fp8 rows, or (fmt conftest.VALUES) the values an e4m3 form computes with."""
+    triton_check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=gluon_config(),
+                 wgmma=True)
 
 
 def _poisoned(rows: int, heads: int):

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import GLUON_GPU
+from conftest import GLUON_GPU, VALUES, decode_reference
 from test_gluon_decode import _case, _poisoned, assert_agree, replay_on_new_inputs, run_tail_split_plan
 from test_triton_decode import _check as triton_check
 from vllm_kimi_dsa.kernels import triton_decode
-from vllm_kimi_dsa.formats import nvfp4_as_fp8
+from vllm_kimi_dsa.formats import nvfp4_as_fp8, nvfp4_e4m3_values, nvfp4_row_shifts
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, few_heads_sparse_mla_decode, nvfp4_params, reg_v_params
 from vllm_kimi_dsa.planning import few_heads_config
 from vllm_kimi_dsa.reference import reference_decode
@@ -114,10 +114,10 @@ def _params(fmt: str, reg_v: int = 1) -> FewHeadsParams:
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
-    # nvfp4 rows: the kernel computes on an fp8 cache, nvfp4_as_fp8 of the rows, as fp8 does (fp8 wgmma logits)
+    # nvfp4 rows: the kernel computes on nvfp4_e4m3_values of the rows, as fp8 does (fp8 wgmma logits)
     if fmt == "nvfp4_ds_mla":
-        kv = nvfp4_as_fp8(kv)
-    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=few_heads_config(), wgmma=True)
+        kv, fmt = nvfp4_e4m3_values(kv), VALUES
+    triton_check(out, lse, q, kv, slots, counts, fmt, ss, os_, config=few_heads_config(), wgmma=True)
 
 
 def _planted(fault: str, out: torch.Tensor, lse: torch.Tensor):
@@ -134,10 +134,10 @@ def _planted(fault: str, out: torch.Tensor, lse: torch.Tensor):
 
 @pytest.mark.parametrize("fault", ["even_odd_swapped", "halves_swapped", "one_scale_block_zero"])
 def test_nvfp4_check_catches_planted_faults(fault: str) -> None:
-    """Runs on CPU: the nvfp4 tolerance (fp8's, against nvfp4_as_fp8 of the cache) passes that cache's reference
-    answer and fails each fault a wrong conversion layout or scale would make, so the GPU cases can fail."""
+    """Runs on CPU: the nvfp4 tolerance (fp8's, against nvfp4_e4m3_values of the cache) passes that cache's
+    reference answer and fails each fault a wrong conversion layout or scale would make, so the GPU cases can fail."""
     q, kv, slots, counts, ss, os_ = _case(5, 12, 256, seed=3, fmt="nvfp4_ds_mla")
-    ref_out, ref_lse = reference_decode(q, nvfp4_as_fp8(kv), slots, counts, fmt="fp8", softmax_scale=ss,
+    ref_out, ref_lse = decode_reference(q, nvfp4_e4m3_values(kv), slots, counts, fmt=VALUES, softmax_scale=ss,
                                         output_scale=os_)
     _check(ref_out.to(torch.bfloat16), ref_lse, q, kv, slots, counts, ss, os_, fmt="nvfp4_ds_mla")
     out, lse = _planted(fault, ref_out.to(torch.bfloat16), ref_lse)
@@ -181,7 +181,9 @@ def test_without_lse() -> None:
 def test_agrees_with_triton_kernel(fmt: str) -> None:
     """Same inputs through the plain-Triton kernel: they differ by no more than their own errors allow. nvfp4: the
     plain kernel decodes the rows exactly, so it gets nvfp4_as_fp8 of them (what this kernel computes with)."""
-    q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11, fmt=fmt)
+    q, kv, slots, counts, ss, os_ = _case(20, 12, 2048, seed=11, fmt=fmt, shifted=False)
+    if fmt == "nvfp4_ds_mla":  # nvfp4_as_fp8 is then the rows' fp8 decode (no row shifted)
+        assert not nvfp4_row_shifts(kv).any()
     out_g, lse_g = _poisoned(20, 12)
     out_t, lse_t = _poisoned(20, 12)
     params = nvfp4_params() if fmt == "nvfp4_ds_mla" else reg_v_params()

@@ -6,7 +6,7 @@ CTAs an SM) and both nvfp4 (e4m3) forms through glcommon.latent_store_layout.
 Inputs are test_gluon_decode's (holes, junk past counts, a count-0 row, a 1-token row, an all-holes row); outputs
 and the scratch are poisoned with NaN first, so an entry a kernel leaves unwritten fails. Tolerance: the kernel's
 own check plus the partials' rounding (test_triton_decode.PARTIAL_ERR: 2^-11 of max |v| * output_scale for fp16);
-nvfp4 against the fp8 decode it computes (on formats.nvfp4_as_fp8 of the rows).
+nvfp4 against the fp8 decode it computes (on formats.nvfp4_e4m3_values of the rows).
 Hopper only: skips with the reason elsewhere (the plain Triton kernel's are tested on CPU in
 test_triton_decode.test_partial_dtype).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GLUON_GPU
+from conftest import GLUON_GPU, VALUES
 from test_gluon_decode import _case, _poisoned
 from test_triton_decode import PARTIAL_ERR
 from test_triton_decode import _check as triton_check
@@ -24,7 +24,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
 from vllm_kimi_dsa.planning import gluon_config
 from vllm_kimi_dsa.kernels.gluon_few_heads import few_heads_sparse_mla_decode, nvfp4_params, reg_v_params
 from vllm_kimi_dsa.planning import few_heads_config
-from vllm_kimi_dsa.formats import nvfp4_as_fp8
+from vllm_kimi_dsa.formats import nvfp4_e4m3_values
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, nvfp4_seesaw_params, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.kernels import common as kcommon
 
@@ -74,8 +74,9 @@ def test_partials_match_reference(case) -> None:
     else:
         few_heads_sparse_mla_decode(q, kv, slots, counts, params=params, **args)
     torch.cuda.synchronize()
-    if fmt == "nvfp4_ds_mla":  # the e4m3 forms compute an fp8 decode
-        kv = nvfp4_as_fp8(kv)
+    kv_fmt = "fp8"
+    if fmt == "nvfp4_ds_mla":  # the e4m3 forms compute an fp8 decode of these values
+        kv, kv_fmt = nvfp4_e4m3_values(kv), VALUES
     check_config = gluon_config() if kernel in ("gluon", "seesaw") else few_heads_config()
-    triton_check(out, lse, q, kv, slots, counts, "fp8", ss, os_, config=check_config, wgmma=True,
+    triton_check(out, lse, q, kv, slots, counts, kv_fmt, ss, os_, config=check_config, wgmma=True,
                  partial_err=PARTIAL_ERR[dtype])

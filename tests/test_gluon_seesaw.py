@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import GLUON_GPU
+from conftest import GLUON_GPU, VALUES
 from test_gluon_decode import _case, _check, _poisoned, assert_agree
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
-from vllm_kimi_dsa.formats import nvfp4_as_fp8
+from vllm_kimi_dsa.formats import nvfp4_e4m3_values
 from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, nvfp4_seesaw_params, seesaw_sparse_mla_decode
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
@@ -78,7 +78,7 @@ CASES = [
     # an even and an odd tile count a split (8 and 5 of 64 tokens)
     Case(3, 128, 2048, splits=4),
     Case(6, 96, 1024, splits=3),
-    # nvfp4_ds_mla through e4m3: held to the fp8 tolerance against formats.nvfp4_as_fp8 of the cache
+    # nvfp4_ds_mla through e4m3: held to the fp8 tolerance against formats.nvfp4_e4m3_values of the cache
     nvfp4_case(1, 128, 2048, splits=1),
     nvfp4_case(2, 64, 128, splits=1),
     nvfp4_case(5, 128, 2048, splits=3),
@@ -124,8 +124,11 @@ def test_matches_reference(case: Case) -> None:
     seesaw_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
                              splits=case.splits, params=case.params())
     torch.cuda.synchronize()
-    # nvfp4: the consumers compute on nvfp4_as_fp8 of the rows, as on an fp8 cache
-    _check(out, lse, q, nvfp4_as_fp8(kv) if case.nvfp4 else kv, slots, counts, ss, os_)
+    # nvfp4: the consumers compute on nvfp4_e4m3_values of the rows (fp8 K stages, shifted rows scaled back)
+    if case.nvfp4:
+        _check(out, lse, q, nvfp4_e4m3_values(kv), slots, counts, ss, os_, fmt=VALUES)
+    else:
+        _check(out, lse, q, kv, slots, counts, ss, os_)
 
 
 @GPU
@@ -147,7 +150,7 @@ def test_nvfp4_cuda_graph_replay(splits: int) -> None:
                                  workspace=ws, splits=splits, params=params)
 
     replay_on_new_inputs(call, (q, kv, slots, counts), _case(rows, heads, width, seed=32, fmt=fmt)[:4], out, lse)
-    _check(out, lse, q, nvfp4_as_fp8(kv), slots, counts, ss, os_)
+    _check(out, lse, q, nvfp4_e4m3_values(kv), slots, counts, ss, os_, fmt=VALUES)
 
 
 @GPU
@@ -155,7 +158,7 @@ def test_nvfp4_cuda_graph_replay(splits: int) -> None:
 def test_kernel_class_runs_nvfp4_on_seesaw(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """TritonDecode (nvfp4_ds_mla): at > 32 heads every launch on the seesaw kernel's nvfp4 form (where verified),
     split and tail-split plans included; at 17..32 heads the batches of NVFP4_SEESAW_MIN_ROWS rows or more (heads
-    past H masked), the 5-row one on the few-heads form; all match the reference on nvfp4_as_fp8 of the cache."""
+    past H masked), the 5-row one on the few-heads form; all match the reference on nvfp4_e4m3_values of the cache."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
 
     monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
@@ -174,7 +177,7 @@ def test_kernel_class_runs_nvfp4_on_seesaw(heads: int, monkeypatch: pytest.Monke
         out, lse = _poisoned(rows, heads)
         k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
         torch.cuda.synchronize()
-        _check(out, lse, q[:rows], nvfp4_as_fp8(kv), slots[:rows], counts[:rows], ss, os_)
+        _check(out, lse, q[:rows], nvfp4_e4m3_values(kv), slots[:rows], counts[:rows], ss, os_, fmt=VALUES)
 
 
 @GPU

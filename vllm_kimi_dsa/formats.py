@@ -153,11 +153,38 @@ def unpack_nvfp4(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([latent, rope], dim=1).reshape(*lead, HEAD_DIM)
 
 
+# A row's shift s (0..3) for the e4m3 forms: each of these scale magnitude bytes (80, 160, 320) that the row's
+# largest |scale| reaches adds one, so 6 x scale x 2**-s stays within e4m3's 448 (scale x 2**-s <= 72)
+NVFP4_SHIFT_BYTES = (0x6A, 0x72, 0x7A)
+
+
+def nvfp4_row_shifts(rows: torch.Tensor) -> torch.Tensor:
+    """rows: (..., 352) uint8 nvfp4_ds_mla -> (...,) int64 s = 0..3: the power of two the Gluon kernels' e4m3 forms
+    divide a row's latent by before rounding it to e4m3 (0 for every row of block scales <= 72, i.e. values <= 432)."""
+    if rows.dtype != torch.uint8 or rows.shape[-1:] != (NVFP4_ROW_BYTES,):
+        raise ValueError(f"rows must be (..., {NVFP4_ROW_BYTES}) uint8, got {tuple(rows.shape)} {rows.dtype}")
+    mag = (rows[..., NVFP4_SCALE_OFFSET:] & 0x7F).amax(dim=-1)
+    return sum((mag >= t).long() for t in NVFP4_SHIFT_BYTES)
+
+
 def nvfp4_as_fp8(rows: torch.Tensor) -> torch.Tensor:
-    """rows: (..., 352) uint8 nvfp4_ds_mla -> (..., 576) float8_e4m3fn: each latent value (e2m1 x its block's scale,
-    exact) rounded once to e4m3 (nearest even, saturating at +-448), the RoPE as is. What the Gluon kernels' nvfp4
-    forms compute with, so their tests hold them to the fp8 tolerance against this cache."""
-    return quantize_fp8(unpack_nvfp4(rows), 1.0)
+    """rows: (..., 352) uint8 nvfp4_ds_mla -> (..., 576) float8_e4m3fn: the K rows the Gluon kernels' e4m3 forms
+    write: each latent value (e2m1 x its block's scale, exact) times 2**-s (nvfp4_row_shifts) rounded once to e4m3
+    (nearest even), the RoPE as is. For rows with s = 0 (block scales <= 72) this is the cache's fp8 decode."""
+    values = unpack_nvfp4(rows)
+    down = torch.pow(2.0, -nvfp4_row_shifts(rows).float()).unsqueeze(-1)
+    values[..., :LATENT_DIM] *= down
+    return quantize_fp8(values, 1.0)
+
+
+def nvfp4_e4m3_values(rows: torch.Tensor) -> torch.Tensor:
+    """rows: (..., 352) uint8 nvfp4_ds_mla -> (..., 576) float32: the values the Gluon kernels' e4m3 forms compute
+    with, nvfp4_as_fp8's latent times 2**s (their consumers scale each row's latent logit and P by it), the RoPE as
+    is: each value within e4m3's relative rounding of the exact one (2**-4; below 2**-6 x 2**s, e4m3's subnormal
+    step 2**-9 x 2**s), never saturated."""
+    values = nvfp4_as_fp8(rows).float()
+    values[..., :LATENT_DIM] *= torch.pow(2.0, nvfp4_row_shifts(rows).float()).unsqueeze(-1)
+    return values
 
 
 # ---------------------------------------------------------------- either format

@@ -117,7 +117,7 @@ if gl is not None:
     def _regv_tiles(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty, j0, num_tiles, qk_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
-        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False,
+        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False, fac_s=None,
     ):
         """REG_V's tile loop over K-ring uses j0 .. j0 + num_tiles - 1 (a split's tiles): Q.K, the online softmax and
         P.V with the latent from the K stage through registers (_v_chunk), so no fp16 copy of it (a V16 ring) is
@@ -126,7 +126,9 @@ if gl is not None:
         wgmma retired.
 
         CONVERTED (nvfp4 rows, _e4m3_converter): the stage's latent is the converter's (c_ready); the gathered RoPE
-        and bias are released after Q.K (k_empty counts the converter too), the latent after P.V's loads (c_empty)."""
+        and bias are released after Q.K (k_empty counts the converter too), the latent after P.V's loads (c_empty).
+        Its rows' factors (fac_s, 2**s: the latent holds value x 2**-s) scale the latent logits (the RoPE part, never
+        shifted, added after) and P."""
         s_layout: gl.constexpr = _mma_layout(BH, 32)
         o_layout: gl.constexpr = _mma_layout(BH, 16)
         tok_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -156,11 +158,18 @@ if gl is not None:
                 fence_async_shared()
             bias = bias_s.index(stage).load(tok_layout)
             s = warpgroup_mma(k_lat_s.index(stage), q_lat_t, s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
-            s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, a0, a1))
-            if CONVERTED:  # the gathered RoPE and bias of this stage are read
-                mbarrier.arrive(k_empty.index(stage))
+            if CONVERTED:  # the RoPE part in an accumulator of its own (8 registers), so neither waits for the other
+                s_rope = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s_zero, use_acc=False, is_async=True)
+                s, s_rope, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_rope, a0, a1))
+                fac = gl.expand_dims(fac_s.index(stage).load(tok_layout), 1)
+                s = s * fac + s_rope
+                mbarrier.arrive(k_empty.index(stage))  # the gathered RoPE and bias of this stage are read
+            else:
+                s = warpgroup_mma(k_rope_s.index(stage), q_rope_t, s, is_async=True)
+                s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, a0, a1))
             p, m_i, l_acc, acc0, acc1 = _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout)
+            if CONVERTED:
+                p = p * fac
             p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
         if num_tiles > 0:
@@ -198,13 +207,13 @@ if gl is not None:
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
-        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False,
+        c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False, fac_s=None,
     ):
         """The REG_V consumer (fp8 rows, or nvfp4 rows CONVERTED to e4m3): _regv_tiles over this split's tiles, then
         the epilogue."""
         acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
                                              0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY,
-                                             c_ready, c_empty, CONVERTED)
+                                             c_ready, c_empty, CONVERTED, fac_s)
         _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                        row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
 
@@ -249,16 +258,17 @@ if gl is not None:
 
     @gluon.jit
     def _e4m3_converter(
-        pk_s, sc_s, k_lat_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+        pk_s, sc_s, k_lat_s, fac_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
-        """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3) into the fp8 K stage the REG_V consumer
-        reads (c_ready); then release the packed stage."""
+        """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3; its rows' factors into fac_s) into the fp8
+        K stage the REG_V consumer reads (c_ready); then release the packed stage."""
         for j in range(num_tiles):
             stage = j % K_STAGES
             mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
             mbarrier.wait(c_empty.index(stage), ((j // K_STAGES) & 1) ^ 1)
-            convert_tile_e4m3(pk_s.index(stage), sc_s.index(stage), k_lat_s.index(stage), BLOCK_N, CVT_ROWS)
+            convert_tile_e4m3(pk_s.index(stage), sc_s.index(stage), k_lat_s.index(stage), fac_s.index(stage), BLOCK_N,
+                              CVT_ROWS)
             fence_async_shared()
             mbarrier.arrive(c_ready.index(stage))
             mbarrier.arrive(k_empty.index(stage))
@@ -278,6 +288,7 @@ if gl is not None:
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(BH, _BN, K_STAGES)
         pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
         sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
+        fac_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 2)  # k_empty: the converter and the consumer
         c_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         c_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -293,11 +304,11 @@ if gl is not None:
                                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                   row, split, h0, num_tiles, H, num_splits,
                                   stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                  BH, K_STAGES, PV_IN_FLIGHT, False, c_ready, c_empty, True)),
+                                  BH, K_STAGES, PV_IN_FLIGHT, False, c_ready, c_empty, True, fac_s)),
                 (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
                             kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                             _BN, K_STAGES, sc_s, True)),
-                (_e4m3_converter, (pk_s, sc_s, k_lat_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+                (_e4m3_converter, (pk_s, sc_s, k_lat_s, fac_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
                                    _BN, K_STAGES, CVT_ROWS)),
             ],
             [4, 4],
@@ -414,8 +425,8 @@ class FewHeadsParams:
     def smem_bytes(self) -> int:
         """Q, the K ring (nvfp4: and the packed ring), P, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
         stage = BLOCK_N * HEAD_DIM  # 576 e4m3 a row (latent + RoPE)
-        if self.nvfp4:  # + 256 packed and 32 scale bytes a row
-            stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM)
+        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row
+            stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM + 4)
         return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> Config:

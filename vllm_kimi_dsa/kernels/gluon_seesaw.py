@@ -71,13 +71,19 @@ if gl is not None:
         return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
 
     @gluon.jit
-    def _issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES: gl.constexpr):
-        """Wait for tile t's K stage and issue S_t = Q K_t^T (async; the caller retires it)."""
+    def _issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES: gl.constexpr, fac_s=None,
+                  NVFP4: gl.constexpr = False):
+        """Wait for tile t's K stage and issue S_t = Q K_t^T (async; the caller retires it). NVFP4: the latent
+        part retired first and its columns scaled by their rows' factors (fac_s: convert_tile_e4m3's 2**s), then
+        the RoPE part (never shifted) added."""
         stage = t % K_STAGES
         mbarrier.wait(k_ready.index(stage), (t // K_STAGES) & 1)
         fence_async_shared()
         s_zero = gl.zeros([_BH, _BN], gl.float32, _S_LAYOUT)
         s = warpgroup_mma(q_lat_s, k_lat_s.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if NVFP4:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = s * gl.expand_dims(fac_s.index(stage).load(gl.SliceLayout(0, _S_LAYOUT)), 0)
         return warpgroup_mma(q_rope_s, k_rope_s.index(stage).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
@@ -105,9 +111,11 @@ if gl is not None:
 
     @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
-                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                  HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, fac_s=None,
+                  NVFP4: gl.constexpr = False):
         """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
-        other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T)."""
+        other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T). NVFP4: P published
+        times its rows' factors (their K stage latent holds value x 2**-s)."""
         bias = bias_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT))
         s = s * qk_scale + gl.expand_dims(bias, 0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -117,6 +125,8 @@ if gl is not None:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
+        if NVFP4:
+            p = p * gl.expand_dims(fac_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT)), 0)
         mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
         p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
@@ -180,27 +190,29 @@ if gl is not None:
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr,
+        HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, fac_s=None, NVFP4: gl.constexpr = False,
     ):
         """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile) and takes P.V of the others (_other_tile), in
-        tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's."""
+        tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's.
+        NVFP4: the K stages' rows carry factors (fac_s) for their logits and P."""
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
         if HALF == 0:
             if num_tiles > 0:
-                s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES)
+                s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES, fac_s, NVFP4)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                          qk_scale, HALF, K_STAGES, IN_FLIGHT)
+                                          qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4)
         # the other's tile o - 1, then this consumer's tile o
         for o in range(2 - HALF, num_tiles, 2):
             m_i, l_i, acc = _other_tile(o - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
                                         HALF, K_STAGES, IN_FLIGHT)
             s = warpgroup_mma_wait(num_outstanding=0,
-                                   deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES),))
+                                   deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES,
+                                                   fac_s, NVFP4),))
             m_i, l_i, acc = _own_tile(o, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                      qk_scale, HALF, K_STAGES, IN_FLIGHT)
+                                      qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4)
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
                                         p_empty, HALF, K_STAGES, IN_FLIGHT)
@@ -262,6 +274,7 @@ if gl is not None:
             sc_s = gl.allocate_shared_memory(gl.uint8, [R_STAGES, _BN, 32], plain2)
             rope_s = gl.allocate_shared_memory(gl.float8e4nv, [R_STAGES, _BN, 64], rope_layout)
             bias_raw_s = gl.allocate_shared_memory(gl.float32, [R_STAGES, _BN], _PLAIN)
+            fac_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], _PLAIN)  # a K stage's rows' 2**s
             r_ready = gl.allocate_shared_memory(gl.int64, [R_STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(R_STAGES):
                 mbarrier.init(r_ready.index(i), count=128)  # the gathering threads' cp.async arrivals
@@ -272,14 +285,14 @@ if gl is not None:
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                  row, split, hb, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 0, K_STAGES, PV_IN_FLIGHT)),
+                                 0, K_STAGES, PV_IN_FLIGHT, fac_s, True)),
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                  row, split, hb, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 1, K_STAGES, PV_IN_FLIGHT)),
-                    (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, r_ready, k_ready,
+                                 1, K_STAGES, PV_IN_FLIGHT, fac_s, True)),
+                    (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, r_ready, k_ready,
                                       k_empty, kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv,
                                       stride_s_row, _BN, K_STAGES, R_STAGES, CVT_ROWS)),
                 ],
@@ -339,9 +352,9 @@ class SeesawParams:
             raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
 
     def smem_bytes(self) -> int:
-        """Q, the K ring, P for two tiles, (nvfp4) the packed ring, plus ~2 KB (bias, mbarriers, warp-specialize
+        """Q, the K ring, P for two tiles, (nvfp4) the packed ring and the rows' factors, plus ~2 KB (bias, mbarriers, warp-specialize
         state)."""
-        packed = self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) if self.nvfp4 else 0
+        packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) + self.k_stages * BLOCK_N * 4) if self.nvfp4 else 0
         return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048
 
     def config(self, heads: int | None = None) -> Config:

@@ -15,17 +15,18 @@ from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads, gluon_seesaw
 from vllm_kimi_dsa.kernels.common.gluon import triton_is
 from vllm_kimi_dsa.planning import Config, few_heads_config
 
-# variant -> the Triton versions on which it passed its GPU tests on the H200
+# variant -> the Triton versions on which it passed its GPU tests (on the H200; the nvfp4 forms' row shift on the
+# H100, both versions)
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
     # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads every launch, 17..32 heads the plans of
-    # NVFP4_SEESAW_MIN_ROWS rows or more (3.8 not GPU-tested yet)
-    "seesaw-nvfp4": ("3.6",),
+    # NVFP4_SEESAW_MIN_ROWS rows or more
+    "seesaw-nvfp4": ("3.6", "3.8"),
     "few-fp8": ("3.6", "3.8"),  # gluon_few_heads reg_v, one and two CTAs an SM, <= 16 heads
     "few-fp8-multi": ("3.6", "3.8"),  # ... 17..32 heads (16-head blocks)
-    "few-nvfp4": ("3.6",),  # gluon_few_heads nvfp4 (e4m3 form), <= 16 heads (3.8 not GPU-tested yet)
-    "few-nvfp4-multi": ("3.6",),  # ... 17..32 heads
+    "few-nvfp4": ("3.6", "3.8"),  # gluon_few_heads nvfp4 (e4m3 form), <= 16 heads
+    "few-nvfp4-multi": ("3.6", "3.8"),  # ... 17..32 heads
     "pv_early": ("3.6", "3.8"),  # the two-CTA reg_v form's P.V issued before the wait for the next tile
 }
 # the seesaw kernel takes unsplit launches of rows of at least this many 64-token tiles (and every one-launch plan);
@@ -33,8 +34,8 @@ VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
 SEESAW_MIN_TILES = 8
 # nvfp4 at 17..32 heads: plans of at least this many rows run on the seesaw kernel's nvfp4 form (one 64-head block,
 # each row converted once) instead of the few-heads form (each row converted once a 16-head block). H100, K 2048,
-# 32 heads, seesaw vs few-heads µs: 1 row 10.7 / 9.8, 5: 14.6 / 14.3, 8: 15.5 / 15.9, 20: 25.1 / 27.3,
-# 160: 126.8 / 154.3, 320: 232.3 / 290.0 (benchmarks/results/latest/h100-2026-12-05b, bench_few_heads)
+# 32 heads, seesaw vs few-heads µs: 1 row 11.4 / 10.0, 5: 15.4 / 14.6, 8: 16.4 / 16.4, 20: 26.7 / 28.3,
+# 80: 77.3 / 87.4, 160: 140.4 / 162.6, 320: 259.8 / 307.6 (benchmarks/results/latest/h100-2026-12-05c, bench_few_heads)
 NVFP4_SEESAW_MIN_ROWS = 8
 
 

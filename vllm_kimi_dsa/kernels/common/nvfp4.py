@@ -3,8 +3,9 @@ with 4 nibbles; a second moves the sign bits beside them).
 
 - To exact fp16 (the plain Triton kernel): the 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are fp16 values whose low byte is
   0, so their high bytes are the table.
-- To e4m3 (the Gluon kernels' nvfp4 forms, common.gluon.convert_tile_e4m3): the table is the block's own, the 8 magnitudes times the block scale
-  rounded once to e4m3 (E4M3_BLOCK_TABLE_PTX, once a 16-value block), so a byte's two values cost ~5 instructions.
+- To e4m3 (the Gluon kernels' nvfp4 forms, common.gluon.convert_tile_e4m3): the table is the block's own, the 8
+  magnitudes times the block scale (and its row's power-of-two shift) rounded once to e4m3 (E4M3_BLOCK_TABLE_PTX,
+  once a 16-value block), so a byte's two values cost ~5 instructions.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ E2M1_PAIRS_PTX = tl.constexpr("""
         }
         """)
 
-# a block scale (fp16, exact from e4m3: $2) -> its e4m3 table: $0 = e4m3(0, .5, 1, 1.5 x scale), $1 = e4m3(2, 3, 4,
-# 6 x scale), byte 0 first. The products are exact in fp16 (<= 6 significant bits within 2**-10 .. 2688); cvt rounds
-# each to nearest even, saturating at +-448. pack=1, constraints "=r,=r,h"
+# a block scale (fp16, exact from e4m3, times its row's 2**-s: $2) -> its e4m3 table: $0 = e4m3(0, .5, 1, 1.5 x
+# scale), $1 = e4m3(2, 3, 4, 6 x scale), byte 0 first. The products are exact in fp16 (<= 6 significant bits within
+# 2**-13 .. 432: the row shift keeps the scale <= 72); cvt rounds each to nearest even. pack=1, constraints "=r,=r,h"
 E4M3_BLOCK_TABLE_PTX = tl.constexpr("""
         {
         .reg .b32 s2, k, c01, c23, c45, c67;
@@ -62,7 +63,8 @@ E4M3_BLOCK_TABLE_PTX = tl.constexpr("""
         """)
 
 # 4 packed e2m1 bytes ($2) of one block and its table ($3, $4 ... the first of each operand's 4 copies: $3 and $7)
-# -> 8 e4m3 in latent order, byte i's low nibble then its high nibble ($0: bytes 0, 1; $1: bytes 2, 3). pack=4,
+# -> 8 e4m3 in latent order, byte i's low nibble then its high nibble ($0: bytes 0, 1; $1: bytes 2, 3). The e2m1
+# sign flips the table entry's (xor: a negative block scale's entries carry its sign). pack=4,
 # constraints "=r,=r,r,r,r,r,r,r,r,r,r"
 E2M1_E4M3_PTX = tl.constexpr("""
         {
@@ -76,7 +78,7 @@ E2M1_E4M3_PTX = tl.constexpr("""
         and.b32 so, $2, 0x80808080;
         prmt.b32 g1, se, so, 0x5140;
         prmt.b32 g2, se, so, 0x7362;
-        or.b32 $0, o0, g1;
-        or.b32 $1, o1, g2;
+        xor.b32 $0, o0, g1;
+        xor.b32 $1, o1, g2;
         }
         """)
