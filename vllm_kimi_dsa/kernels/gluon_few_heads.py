@@ -258,7 +258,7 @@ if gl is not None:
 
     @gluon.jit
     def _e4m3_converter(
-        pk_s, sc_s, k_lat_s, fac_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+        pk_s, sc_s, k_lat_s, fac_s, scf_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
         """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3; its rows' factors into fac_s) into the fp8
@@ -267,8 +267,8 @@ if gl is not None:
             stage = j % K_STAGES
             mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
             mbarrier.wait(c_empty.index(stage), ((j // K_STAGES) & 1) ^ 1)
-            convert_tile_e4m3(pk_s.index(stage), sc_s.index(stage), k_lat_s.index(stage), fac_s.index(stage), BLOCK_N,
-                              CVT_ROWS)
+            convert_tile_e4m3(pk_s.index(stage), sc_s.index(stage), k_lat_s.index(stage), fac_s.index(stage),
+                              scf_s.index(j % 2), BLOCK_N, CVT_ROWS)
             fence_async_shared()
             mbarrier.arrive(c_ready.index(stage))
             mbarrier.arrive(k_empty.index(stage))
@@ -289,6 +289,7 @@ if gl is not None:
         pk_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 256], _PLAIN2)
         sc_s = gl.allocate_shared_memory(gl.uint8, [K_STAGES, _BN, 32], _PLAIN2)
         fac_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        scf_s = gl.allocate_shared_memory(gl.float16, [2, _BN, 32], _PLAIN2)  # the converter's, by tile parity
         p_s, bias_s, k_ready, k_empty = _alloc_k_ring(BH, K_STAGES, 2)  # k_empty: the converter and the consumer
         c_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         c_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -308,7 +309,7 @@ if gl is not None:
                 (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
                             kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                             _BN, K_STAGES, sc_s, True)),
-                (_e4m3_converter, (pk_s, sc_s, k_lat_s, fac_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
+                (_e4m3_converter, (pk_s, sc_s, k_lat_s, fac_s, scf_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
                                    _BN, K_STAGES, CVT_ROWS)),
             ],
             [4, 4],
@@ -331,7 +332,7 @@ if gl is not None:
         MULTI_HB: gl.constexpr,  # H > BH: program_id(0) is the head block (each gathers the rows: L2 hits)
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
-        CVT_REGS: gl.constexpr = 128,  # nvfp4: setmaxnreg of the converter
+        CVT_REGS: gl.constexpr = 136,  # nvfp4: setmaxnreg of the converter
     ):
         """One (head block, split, row): triton_decode.decode_kernel with SWAP and BLOCK_H = BH."""
         row, split = row_split(num_splits, lead_tiles)
@@ -399,7 +400,7 @@ class FewHeadsParams:
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
-    converter_regs: int = 128  # nvfp4: setmaxnreg of the converter
+    converter_regs: int = 136  # nvfp4: setmaxnreg of the converter (128 spills 8 B since the row shift)
 
     def __post_init__(self) -> None:
         if self.reg_v == self.nvfp4:
@@ -425,8 +426,9 @@ class FewHeadsParams:
     def smem_bytes(self) -> int:
         """Q, the K ring (nvfp4: and the packed ring), P, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
         stage = BLOCK_N * HEAD_DIM  # 576 e4m3 a row (latent + RoPE)
-        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row
+        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row; two tiles' fp16 scales
             stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM + 4)
+            return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2 * BLOCK_N * 64 + 2048
         return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> Config:
@@ -440,8 +442,8 @@ class FewHeadsParams:
 
 
 def nvfp4_params() -> FewHeadsParams:
-    """nvfp4_ds_mla: K ring 3 (a stage 36 KB fp8 + 18 KB packed), the gatherer 96 registers, the converter 128."""
-    return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, producer_regs=96, converter_regs=128)
+    """nvfp4_ds_mla: K ring 3 (a stage 36 KB fp8 + 18 KB packed), the gatherer 96 registers, the converter 136."""
+    return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, producer_regs=96, converter_regs=136)
 
 
 def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:

@@ -275,6 +275,7 @@ if gl is not None:
             rope_s = gl.allocate_shared_memory(gl.float8e4nv, [R_STAGES, _BN, 64], rope_layout)
             bias_raw_s = gl.allocate_shared_memory(gl.float32, [R_STAGES, _BN], _PLAIN)
             fac_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], _PLAIN)  # a K stage's rows' 2**s
+            scf_s = gl.allocate_shared_memory(gl.float16, [2, _BN, 32], plain2)  # shifted scales, by tile parity
             r_ready = gl.allocate_shared_memory(gl.int64, [R_STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(R_STAGES):
                 mbarrier.init(r_ready.index(i), count=128)  # the gathering threads' cp.async arrivals
@@ -292,8 +293,8 @@ if gl is not None:
                                  row, split, hb, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  1, K_STAGES, PV_IN_FLIGHT, fac_s, True)),
-                    (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, r_ready, k_ready,
-                                      k_empty, kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv,
+                    (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, scf_s, r_ready,
+                                      k_ready, k_empty, kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv,
                                       stride_s_row, _BN, K_STAGES, R_STAGES, CVT_ROWS)),
                 ],
                 [4, 4],
@@ -354,7 +355,9 @@ class SeesawParams:
     def smem_bytes(self) -> int:
         """Q, the K ring, P for two tiles, (nvfp4) the packed ring and the rows' factors, plus ~2 KB (bias, mbarriers, warp-specialize
         state)."""
-        packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) + self.k_stages * BLOCK_N * 4) if self.nvfp4 else 0
+        # nvfp4: the packed ring, the rows' factors a K stage and the shifted fp16 scales of two tiles
+        packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) + self.k_stages * BLOCK_N * 4
+                  + 2 * BLOCK_N * 64) if self.nvfp4 else 0
         return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048
 
     def config(self, heads: int | None = None) -> Config:

@@ -288,49 +288,54 @@ if gl is not None:
     # an fp8 K stage's latent seen as 256 e4m3 pairs a row: the same bytes as the 8-bit 128-byte-swizzled layout
     E4M3_PAIRS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
-    # a tile's (rows, 32) scale bytes as 8 words a row, 2 lanes a row (4 words each): row_factors
+    # a tile's (rows, 32) scale bytes as 8 words a row, 2 lanes a row (4 words each; SC_LAYOUT's rows): row_scales
     SCW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))
 
     @gluon.jit
-    def row_factors(sc_stage, fac_stage, BLOCK_N: gl.constexpr):
-        """Each row's factor 2**s into fac_stage (fp32), s = 0..3 the least that keeps 6 x its largest |scale| x
-        2**-s within e4m3's 448 (formats.nvfp4_row_shifts: a scale magnitude byte from 0x6A (80), 0x72 (160), 0x7A
-        (320) adds one; 0 for rows of scales <= 72), then a barrier of this warpgroup so convert_tile_e4m3's threads
-        read them. Bytewise on words: (b & 0x7F) + (0x80 - T) sets bit 7 of b's byte iff b >= T, no carry out."""
+    def row_scales(sc_stage, scf_buf, fac_stage, BLOCK_N: gl.constexpr):
+        """A tile's block scales as fp16 times their row's 2**-s into scf_buf (raw byte order), 2**s into fac_stage
+        (fp32, for the consumers), then a barrier of this warpgroup so every thread of convert_tile_e4m3 reads them.
+        s = 0..3, the least that keeps 6 x the row's largest |scale| x 2**-s within e4m3's 448 (formats.
+        nvfp4_row_shifts: each of the magnitude bytes 0x6A (80), 0x72 (160), 0x7A (320) reached adds one), found
+        bytewise on words: (b & 0x7F) + (0x80 - T) sets bit 7 of b's byte iff b >= T, with no carry out of it."""
         plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         m = sc_stage._reinterpret(gl.int32, [BLOCK_N, 8], plain2).load(SCW_LAYOUT) & 0x7F7F7F7F
         top = -0x7F7F7F80  # 0x80808080
         s = (((m + 0x16161616) & top) != 0).to(gl.int32) + (((m + 0x0E0E0E0E) & top) != 0).to(gl.int32) \
             + (((m + 0x06060606) & top) != 0).to(gl.int32)
-        fac_stage.store(((127 + gl.max(s, axis=1)) << 23).to(gl.float32, bitcast=True))
+        s = gl.max(s, axis=1)
+        fac_stage.store(((127 + s) << 23).to(gl.float32, bitcast=True))
+        # fp16 2**-s from its exponent field; SC_LAYOUT has SCW_LAYOUT's rows (the conversion moves nothing)
+        down = gl.convert_layout(((15 - s) << 10).to(gl.int16).to(gl.float16, bitcast=True),
+                                 gl.SliceLayout(1, SC_LAYOUT))
+        sc = sc_stage.load(SC_LAYOUT).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        scf_buf.store(sc * gl.expand_dims(down, 1))
         partition_barrier()
 
     @gluon.jit
-    def convert_tile_e4m3(pk_stage, sc_stage, k_lat_stage, fac_stage, BLOCK_N: gl.constexpr, CVT_ROWS: gl.constexpr):
+    def convert_tile_e4m3(pk_stage, sc_stage, k_lat_stage, fac_stage, scf_buf, BLOCK_N: gl.constexpr,
+                          CVT_ROWS: gl.constexpr):
         """A tile's nvfp4 latent (packed bytes, scales) into an fp8 K stage in latent order, each e2m1 x scale x 2**-s
-        rounded once to e4m3 (nearest even; formats.nvfp4_as_fp8), with each row's 2**s (row_factors, into
-        fac_stage first; the consumer scales the row's latent logit and its P by it) bringing a row whose values
-        pass e4m3's 448 back into range. CVT_ROWS rows a step.
+        rounded once to e4m3 (nearest even; formats.nvfp4_as_fp8), s its row's shift (row_scales: the scales shifted
+        into scf_buf, an fp16 (BLOCK_N, 32) scratch that must not be the previous tile's, and 2**s into fac_stage,
+        by which the consumers scale the row's latent logit and P), so no value passes e4m3's 448. CVT_ROWS rows a
+        step.
 
         A row's packed bytes are viewed as (r 8, q 4, e 8): byte 32 r + 8 q + e is in latent block s = 4 r + q,
-        whose scale is raw byte 8 q + r, so the (rows, 32) scale bytes viewed (q 4, r 8) and permuted to (r, q) line
+        whose scale is raw byte 8 q + r, so the (rows, 32) scales viewed (q 4, r 8) and permuted to (r, q) line
         up with the packed view's first two axes. A lane's 8 packed bytes are one block: its table is made once
         (E4M3_BLOCK_TABLE_PTX) and its 16 values looked up in it (E2M1_E4M3_PTX) as 8 e4m3 pairs, one 16-byte
         store."""
         plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         pk4 = pk_stage._reinterpret(gl.uint8, [BLOCK_N, 8, 4, 8], plain4)
-        sc3 = sc_stage._reinterpret(gl.uint8, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
+        sc3 = scf_buf._reinterpret(gl.float16, [BLOCK_N, 4, 8], plain3).permute((0, 2, 1))
         dst = k_lat_stage._reinterpret(gl.uint16, [BLOCK_N, 256], E4M3_PAIRS_LAYOUT)
-        row_factors(sc_stage, fac_stage, BLOCK_N)
+        row_scales(sc_stage, scf_buf, fac_stage, BLOCK_N)
         for r0 in gl.static_range(0, BLOCK_N, CVT_ROWS):
             pk = pk4.slice(r0, CVT_ROWS, dim=0).load(PK_LAYOUT)
             sc = sc3.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(3, PK_LAYOUT))
-            fac = fac_stage.slice(r0, CVT_ROWS, dim=0).load(gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, PK_LAYOUT))))
-            down = ((15 - ((fac.to(gl.int32, bitcast=True) >> 23) - 127)) << 10).to(gl.int16).to(gl.float16, bitcast=True)
-            down = gl.expand_dims(gl.expand_dims(down, 1), 2)
-            t0, t1 = gl.inline_asm_elementwise(E4M3_BLOCK_TABLE_PTX, "=r,=r,h",
-                                               [sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * down],
+            t0, t1 = gl.inline_asm_elementwise(E4M3_BLOCK_TABLE_PTX, "=r,=r,h", [sc],
                                                dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
             t0 = gl.broadcast(gl.expand_dims(t0, 3), pk)[0]
             t1 = gl.broadcast(gl.expand_dims(t1, 3), pk)[0]
@@ -340,14 +345,14 @@ if gl is not None:
 
     @gluon.jit
     def nvfp4_gatherer(
-        pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, r_ready, k_ready, k_empty,
+        pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, scf_s, r_ready, k_ready, k_empty,
         kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, R_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
         """A gatherer warpgroup that also converts (the seesaw kernel's nvfp4 form): cp.async tile j's nvfp4 rows
         into a packed ring of R_STAGES (packed bytes, scales, RoPE, bias: r_ready, the 128 threads' arrivals), then
-        turn tile j - R_STAGES + 1 into an fp8 K stage (convert_tile_e4m3: its rows' factors into fac_s; the RoPE and
-        bias copied) and publish it
+        turn tile j - R_STAGES + 1 into an fp8 K stage (convert_tile_e4m3: its rows' factors into fac_s, its shifted
+        scales into scf_s by tile parity; the RoPE and bias copied) and publish it
         (k_ready counts 1) once the consumers have freed that stage, so the consumers run as on fp8 rows."""
         s_base = slots_ptr + row.to(gl.int64) * stride_s_row
         slot = load_slots(s_base, start, end, 0, BLOCK_N)
@@ -365,8 +370,8 @@ if gl is not None:
                 stage = t % K_STAGES
                 mbarrier.wait(r_ready.index(r), (t // R_STAGES) & 1)
                 mbarrier.wait(k_empty.index(stage), ((t // K_STAGES) & 1) ^ 1)
-                convert_tile_e4m3(pk_s.index(r), sc_s.index(r), k_lat_s.index(stage), fac_s.index(stage), BLOCK_N,
-                                  CVT_ROWS)
+                convert_tile_e4m3(pk_s.index(r), sc_s.index(r), k_lat_s.index(stage), fac_s.index(stage),
+                                  scf_s.index(t % 2), BLOCK_N, CVT_ROWS)
                 k_rope_s.index(stage).store(rope_s.index(r).load(ROPE_LAYOUT))
                 bias_s.index(stage).store(bias_raw_s.index(r).load(gl.SliceLayout(1, ROW_LAYOUT)))
                 fence_async_shared()
