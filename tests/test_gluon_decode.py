@@ -94,13 +94,14 @@ def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099,
           shifted: bool = True):
     """Fresh random inputs: N(0,1) rows (every 7th x8) quantized to fp8, e4m3 queries, slots with -1 holes and far
     out-of-range junk past counts; row 1 count 0, row 2 count 1, row 3 width - 1, row 4 all holes. nvfp4: every
-    31st row's block scales negated; unless not `shifted`, every 29th row x400 too, block scales past 72, so the
-    e4m3 forms shift those rows (formats.nvfp4_row_shifts 1..3)."""
+    31st row's block scales negated; unless not `shifted`, every 29th row x200, x450 or x3000 too, block scales past
+    72, so the e4m3 forms shift those rows (formats.nvfp4_row_shifts 1, 2, 3)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, 576, generator=g)
     x[::7] *= 8.0
-    if fmt == "nvfp4_ds_mla" and shifted:
-        x[3::29, :LATENT_DIM] *= 400.0
+    if fmt == "nvfp4_ds_mla" and shifted:  # row maxima ~600 / ~1300 / past 2688: shifts 1, 2, 3
+        big = x[3::29, :LATENT_DIM]
+        big *= torch.tensor([200.0, 450.0, 3000.0]).repeat(-(-big.shape[0] // 3))[: big.shape[0], None]
     kv = quantize_rows(x, fmt)
     if fmt == "nvfp4_ds_mla":  # negative block scales (the layout allows them; random-byte caches have them)
         kv[5::31, NVFP4_SCALE_OFFSET:] ^= 0x80
@@ -128,6 +129,17 @@ def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale, fmt: str
     kv: fp8 rows, or (fmt conftest.VALUES) the values an e4m3 form computes with."""
     triton_check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=gluon_config(),
                  wgmma=True)
+
+
+def test_nvfp4_case_has_every_row_shift_and_negative_scales() -> None:
+    """Runs on CPU: the nvfp4 cases every Gluon test draws hold rows of each e4m3 shift (0..3) and rows whose block
+    scales are negative, so the GPU cases exercise both."""
+    from vllm_kimi_dsa.formats import nvfp4_row_shifts
+
+    _, kv, *_ = _case(5, 16, 256, seed=3, fmt="nvfp4_ds_mla")
+    kv = kv.cpu()
+    assert (torch.bincount(nvfp4_row_shifts(kv), minlength=4) > 20).all()
+    assert bool((kv[:, NVFP4_SCALE_OFFSET:] >= 0x80).all(dim=1).any())
 
 
 def _poisoned(rows: int, heads: int):
