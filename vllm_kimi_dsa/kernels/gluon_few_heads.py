@@ -424,12 +424,14 @@ class FewHeadsParams:
                              f"({self.smem_bytes()} B)")
 
     def smem_bytes(self) -> int:
-        """Q, the K ring (nvfp4: and the packed ring), P, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
+        """Q, the K ring (nvfp4: and the packed ring, the rows' factors, two tiles' fp16 scales), P, plus ~2 KB
+        (bias, mbarriers, warp-specialize state)."""
         stage = BLOCK_N * HEAD_DIM  # 576 e4m3 a row (latent + RoPE)
-        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row; two tiles' fp16 scales
+        scales = 0
+        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row
             stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM + 4)
-            return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2 * BLOCK_N * 64 + 2048
-        return BLOCK_H * HEAD_DIM + self.k_stages * stage + BLOCK_H * BLOCK_N * 2 + 2048
+            scales = 2 * BLOCK_N * 32 * 2
+        return BLOCK_H * HEAD_DIM + self.k_stages * stage + scales + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
