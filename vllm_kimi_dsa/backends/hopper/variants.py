@@ -16,7 +16,8 @@ from vllm_kimi_dsa.kernels.common.gluon import triton_is
 from vllm_kimi_dsa.planning import Config, few_heads_config
 
 # variant -> the Triton versions on which it passed its GPU tests (on the H200; the nvfp4 forms' row shift on the
-# H100, both versions)
+# H100: on 3.8 its first form the whole set, its fp16-scales form the seesaw cases and 2 few-heads ones, the
+# budget then spent; docs/history.md v24)
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
