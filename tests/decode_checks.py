@@ -76,9 +76,9 @@ def fp8_wgmma_for(heads, fmt, config=None):
 
 def check_decode(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=None, wgmma=None,
                  partial_err=SHIPPED_PARTIAL_ERR):
-    """kv: rows of `fmt`, or conftest.VALUES rows. wgmma: the head dims whose logits come from fp8 wgmma without promotion (a slice, e.g. conftest.ALL_DIMS),
-    True for all, False for none; None: from the config. partial_err: the split partials'
-    rounding (PARTIAL_ERR of the workspace's dtype; by default the shipped one's)."""
+    """kv: rows of `fmt`, or conftest.VALUES rows. wgmma: the head dims whose logits come from fp8 wgmma without
+    promotion (a slice, e.g. conftest.ALL_DIMS), True for all, False for none; None: from the config. partial_err:
+    the split partials' rounding (PARTIAL_ERR of the workspace's dtype; by default the shipped one's)."""
     if wgmma is None:
         wgmma = fp8_wgmma_for(q.shape[1], fmt, config)  # nvfp4 runs every dot in fp16 (exact sums)
     dims = ALL_DIMS if wgmma is True else wgmma

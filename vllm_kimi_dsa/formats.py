@@ -167,14 +167,19 @@ def nvfp4_row_shifts(rows: torch.Tensor) -> torch.Tensor:
     return sum((mag >= t).long() for t in NVFP4_SHIFT_BYTES)
 
 
+def _nvfp4_e4m3(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nvfp4_as_fp8 of the rows and their factors 2**s ((..., 1) float32)."""
+    values = unpack_nvfp4(rows)
+    factor = torch.pow(2.0, nvfp4_row_shifts(rows).float()).unsqueeze(-1)
+    values[..., :LATENT_DIM] /= factor
+    return quantize_fp8(values, 1.0), factor
+
+
 def nvfp4_as_fp8(rows: torch.Tensor) -> torch.Tensor:
     """rows: (..., 352) uint8 nvfp4_ds_mla -> (..., 576) float8_e4m3fn: the K rows the Gluon kernels' e4m3 forms
     write: each latent value (e2m1 x its block's scale, exact) times 2**-s (nvfp4_row_shifts) rounded once to e4m3
     (nearest even), the RoPE as is. For rows with s = 0 (block scales <= 72) this is the cache's fp8 decode."""
-    values = unpack_nvfp4(rows)
-    down = torch.pow(2.0, -nvfp4_row_shifts(rows).float()).unsqueeze(-1)
-    values[..., :LATENT_DIM] *= down
-    return quantize_fp8(values, 1.0)
+    return _nvfp4_e4m3(rows)[0]
 
 
 def nvfp4_e4m3_values(rows: torch.Tensor) -> torch.Tensor:
@@ -182,8 +187,9 @@ def nvfp4_e4m3_values(rows: torch.Tensor) -> torch.Tensor:
     with, nvfp4_as_fp8's latent times 2**s (their consumers scale each row's latent logit and P by it), the RoPE as
     is: each value within e4m3's relative rounding of the exact one (2**-4; below 2**-6 x 2**s, e4m3's subnormal
     step 2**-9 x 2**s), never saturated."""
-    values = nvfp4_as_fp8(rows).float()
-    values[..., :LATENT_DIM] *= torch.pow(2.0, nvfp4_row_shifts(rows).float()).unsqueeze(-1)
+    fp8, factor = _nvfp4_e4m3(rows)
+    values = fp8.float()
+    values[..., :LATENT_DIM] *= factor
     return values
 
 

@@ -353,9 +353,8 @@ class SeesawParams:
             raise ValueError(f"k_stages must be >= 2 and fit 227 KB of shared memory, got {self.k_stages} ({smem} B)")
 
     def smem_bytes(self) -> int:
-        """Q, the K ring, P for two tiles, (nvfp4) the packed ring and the rows' factors, plus ~2 KB (bias, mbarriers, warp-specialize
-        state)."""
-        # nvfp4: the packed ring, the rows' factors a K stage and the shifted fp16 scales of two tiles
+        """Q, the K ring, P for two tiles, (nvfp4) the packed ring, the rows' factors a K stage and two tiles'
+        shifted fp16 scales, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
         packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) + self.k_stages * BLOCK_N * 4
                   + 2 * BLOCK_N * 64) if self.nvfp4 else 0
         return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048

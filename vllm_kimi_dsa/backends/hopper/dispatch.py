@@ -28,8 +28,8 @@ class TritonDecode:
 
     config: the plan Config of the batch's plans; gluon: the Gluon params bound (None: the plain kernel);
     gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; nvfp4 17..32 heads and
-    > 32 heads fp8: the seesaw kernel); plan_params[rows, width]: (the first launch's params, the split rows' launch's); plan_leads[rows, width]:
-    the one-launch plan's lead (choose_lead), 0 if none.
+    > 32 heads fp8: the seesaw kernel); plan_params[rows, width]: (the first launch's params, the split rows'
+    launch's); plan_leads[rows, width]: the one-launch plan's lead (choose_lead), 0 if none.
     """
 
     name: ClassVar[str] = "triton"
@@ -66,17 +66,16 @@ class TritonDecode:
         for (rows, width), (whole, splits) in self._plans.items():
             first = tail = small
             plan_config = self.config
+            pick = None  # the `large` alternative running both launches of this plan, its plan re-made for it
             if choice is not None and choice.large_from_rows:
-                if rows >= choice.large_from_rows:
-                    plan_config = large_configs[0]
-                    self._plans[rows, width] = choose_plan(rows, heads, width, plan_config, sms)
-                    first = tail = large[0]
+                pick = 0 if rows >= choice.large_from_rows else None
             elif seesaw is None and large:
                 costs = [plan_cost(rows, heads, width, c, sms) for c in large_configs]
-                best = costs.index(min(costs))
-                plan_config = large_configs[best]
+                pick = costs.index(min(costs))
+            if pick is not None:
+                plan_config = large_configs[pick]
                 self._plans[rows, width] = choose_plan(rows, heads, width, plan_config, sms)
-                first = tail = large[best]
+                first = tail = large[pick]
             elif seesaw is not None:
                 first = seesaw if seesaw_takes(width, 1 if whole else splits, alone=not whole) else small
                 tail = seesaw if seesaw_takes(width, splits) else small
