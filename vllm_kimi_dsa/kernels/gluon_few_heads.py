@@ -400,7 +400,7 @@ class FewHeadsParams:
     ctas_per_sm: int = 1
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
-    converter_regs: int = 136  # nvfp4: setmaxnreg of the converter (128 spills 8 B since the row shift)
+    converter_regs: int = 136  # nvfp4: setmaxnreg of the converter (at 128 it spills 8 B)
 
     def __post_init__(self) -> None:
         if self.reg_v == self.nvfp4:
