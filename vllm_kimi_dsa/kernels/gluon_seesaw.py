@@ -23,7 +23,6 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     gl,
     gluon,
     latent_store_layout,
-    launch_dependents,
     launch_kernel,
     mbarrier,
     nvfp4_gatherer,
@@ -235,7 +234,6 @@ if gl is not None:
         NVFP4: gl.constexpr = False,  # nvfp4_ds_mla rows: the gatherer converts them to fp8 K stages (e4m3)
         R_STAGES: gl.constexpr = 2,  # NVFP4: the packed ring's depth (22.3 KB a stage)
         CVT_ROWS: gl.constexpr = 8,  # NVFP4: rows a conversion step
-        PDL_TRIGGER: gl.constexpr = False,  # griddepcontrol.launch_dependents once Q is in shared memory
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel. NVFP4: the consumers read the
         e4m3 K stages nvfp4_gatherer writes (formats.nvfp4_as_fp8 of the rows)."""
@@ -265,8 +263,6 @@ if gl is not None:
         # Q (64 heads x 576 e4m3; padded heads 0) into shared memory, by this (default) warpgroup
         store_q(q_ptr, row, hb * _BH, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, _BH)
         fence_async_shared()
-        if PDL_TRIGGER:
-            launch_dependents()
 
         # one warp_specialize a format: the packed ring exists only for nvfp4 (allocating it for fp8 too would move
         # the fp8 kernel's shared memory), and the partitions' argument tuples cannot be shared (a tuple variable
@@ -345,8 +341,6 @@ class SeesawParams:
     nvfp4: bool = False
     r_stages: int = 2  # nvfp4: the packed ring's depth (22.3 KB a stage)
     cvt_rows: int = 8  # nvfp4: rows a conversion step (the gatherer's registers)
-    # each CTA lets the split combine (launched as a programmatic dependent) start once it holds Q
-    pdl_trigger: bool = False
 
     def __post_init__(self) -> None:
         if self.pv_in_flight not in (1, 2, 4):
@@ -381,7 +375,7 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
                 PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4, R_STAGES=params.r_stages,
-                CVT_ROWS=params.cvt_rows, PDL_TRIGGER=params.pdl_trigger)
+                CVT_ROWS=params.cvt_rows)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,

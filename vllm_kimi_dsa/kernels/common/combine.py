@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from vllm_kimi_dsa.formats import LATENT_DIM
 from vllm_kimi_dsa.host_math import next_pow2
@@ -23,10 +22,8 @@ LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE * LN2: the natural-log LSE 
 def combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-    SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr, D: tl.constexpr,
 ):
-    if PDL:  # launched as a programmatic dependent of the decode kernel: its partials are visible past the wait
-        gdc_wait()
     h = tl.program_id(0)
     row = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)

@@ -470,15 +470,6 @@ if gl is not None:
         return row, split
 
     @gluon.jit
-    def launch_dependents():
-        """griddepcontrol.launch_dependents: the next kernel, launched with programmatic dependent launch (the
-        combine), may start once every CTA of this grid has run it; it still waits for this grid's end and memory
-        (griddepcontrol.wait) before it reads."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", "=r,r",
-                                  [gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0]))], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH: gl.constexpr):
         """Heads h0 .. h0 + BH of a row's query (e4m3 as is; padded heads 0) into q_lat_s / q_rope_s (the caller
         fences before a wgmma reads them)."""
