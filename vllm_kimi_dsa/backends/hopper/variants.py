@@ -15,9 +15,8 @@ from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads, gluon_seesaw
 from vllm_kimi_dsa.kernels.common.gluon import triton_is
 from vllm_kimi_dsa.planning import Config, few_heads_config
 
-# variant -> the Triton versions on which it passed its GPU tests (on the H200; the nvfp4 forms' row shift on the
-# H100: on 3.8 its first form the whole set, its fp16-scales form the seesaw cases and 2 few-heads ones, the
-# budget then spent; docs/history.md v24)
+# variant -> the Triton versions on which it passed its GPU tests (on the H200; the nvfp4 forms' current code, the
+# row shift with fp16 scales, on the H100: every nvfp4 GPU case on 3.6 and 3.8, docs/history.md v25)
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
