@@ -220,9 +220,12 @@ def test_gluon_bench_variants_are_valid_params() -> None:
     import bench_gluon as bg
 
     from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
+    from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams
 
     for overrides in bg.GLUON_VARIANTS.values():
         GluonParams(**bg.kernel_params(overrides)[0])
+    for name, overrides in bg.SEESAW_VARIANTS.items():  # shared memory, registers and rings checked at construction
+        assert SeesawParams(**bg.kernel_params(overrides)[0]).nvfp4 == (bg._fmt(name) == "nvfp4_ds_mla"), name
     for name in bfh.VARIANTS:
         assert bfh._params(name).nvfp4 == (bfh._fmt(name) == "nvfp4_ds_mla"), name
     for name in bfh.NAMES:
