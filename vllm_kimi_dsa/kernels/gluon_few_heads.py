@@ -20,6 +20,7 @@ from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
     alloc_fp8_q_and_ring,
     convert_tile_e4m3,
+    e4m3_scale_bytes,
     fence_async_shared,
     gatherer,
     gl,
@@ -261,8 +262,9 @@ if gl is not None:
         pk_s, sc_s, k_lat_s, fac_s, scf_s, k_ready, k_empty, c_ready, c_empty, num_tiles,
         BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr,
     ):
-        """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3; its rows' factors into fac_s) into the fp8
-        K stage the REG_V consumer reads (c_ready); then release the packed stage."""
+        """Tile j's latent through e4m3 (common.gluon.convert_tile_e4m3; its rows' factors into fac_s, its shifted
+        scales into scf_s by tile parity) into the fp8 K stage the REG_V consumer reads (c_ready); then release the
+        packed stage."""
         for j in range(num_tiles):
             stage = j % K_STAGES
             mbarrier.wait(k_ready.index(stage), (j // K_STAGES) & 1)
@@ -428,9 +430,9 @@ class FewHeadsParams:
         (bias, mbarriers, warp-specialize state)."""
         stage = BLOCK_N * HEAD_DIM  # 576 e4m3 a row (latent + RoPE)
         scales = 0
-        if self.nvfp4:  # + 256 packed and 32 scale bytes and a 4-byte factor a row
-            stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM + 4)
-            scales = 2 * BLOCK_N * 32 * 2
+        if self.nvfp4:  # + 256 packed and 32 scale bytes a row
+            stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM)
+            scales = e4m3_scale_bytes(BLOCK_N, self.k_stages)
         return BLOCK_H * HEAD_DIM + self.k_stages * stage + scales + BLOCK_H * BLOCK_N * 2 + 2048
 
     def config(self, heads: int = BLOCK_H) -> Config:

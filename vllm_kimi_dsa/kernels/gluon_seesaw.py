@@ -18,6 +18,7 @@ from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
     alloc_fp8_q_and_ring,
     check_warpgroup_regs,
+    e4m3_scale_bytes,
     fence_async_shared,
     gatherer,
     gl,
@@ -355,8 +356,8 @@ class SeesawParams:
     def smem_bytes(self) -> int:
         """Q, the K ring, P for two tiles, (nvfp4) the packed ring, the rows' factors a K stage and two tiles'
         shifted fp16 scales, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
-        packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4) + self.k_stages * BLOCK_N * 4
-                  + 2 * BLOCK_N * 64) if self.nvfp4 else 0
+        packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4)
+                  + e4m3_scale_bytes(BLOCK_N, self.k_stages)) if self.nvfp4 else 0
         return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048
 
     def config(self, heads: int | None = None) -> Config:

@@ -86,6 +86,12 @@ def check_warpgroup_regs(consumer_regs: int, producer_regs: int) -> None:
                          f"504 - both, in [consumer_regs, 256], got {regs}")
 
 
+def e4m3_scale_bytes(block_n: int, k_stages: int) -> int:
+    """Shared memory of the e4m3 forms' row-shift state (row_scales): each K stage's rows' fp32 factors 2**s and
+    two tiles' (block_n, 32) fp16 shifted scales (by tile parity, so a tile's never overwrite the previous one's)."""
+    return k_stages * block_n * 4 + 2 * block_n * 32 * 2
+
+
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
                   output_scale: float, ws: Workspace, splits: int, constexprs: dict[str, Any],
                   options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None,
