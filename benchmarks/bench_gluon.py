@@ -63,9 +63,6 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-nvfp4-cvt16-tail": {"nvfp4": True, "k_stages": 3, "cvt_rows": 16, "tail_split": True},
     "seesaw-nvfp4-p56-tail": {"nvfp4": True, "k_stages": 3, "producer_regs": 56, "consumer_regs": 208,
                               "tail_split": True},
-    # a deeper packed ring (more gathers in flight) for a K ring of 2
-    "seesaw-nvfp4-rs3-ks2-tail": {"nvfp4": True, "k_stages": 2, "r_stages": 3, "tail_split": True},
-    "seesaw-nvfp4-rs4-ks2-tail": {"nvfp4": True, "k_stages": 2, "r_stages": 4, "tail_split": True},
 }
 
 # both 64-head kernels in one tail-split plan, as TritonDecode binds them: each launch on the seesaw kernel where

@@ -368,7 +368,8 @@ class SeesawParams:
 
 def nvfp4_seesaw_params() -> SeesawParams:
     """nvfp4_ds_mla rows: K ring 3 and a packed ring of 2 (the most that fits beside Q and P), 8 rows a conversion
-    step (the gatherer's 48 registers)."""
+    step (the gatherer's 48 registers). Measured against it at H = 128, 320 rows: packed ring 1 with K ring 4 13%
+    slower, packed ring 3 / 4 with K ring 2 22% / 17% slower (docs/history.md v23, v26)."""
     return SeesawParams(k_stages=3, nvfp4=True, r_stages=2, cvt_rows=8)
 
 
