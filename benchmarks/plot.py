@@ -93,8 +93,38 @@ def _fmt(x: Any, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+OURS_FP8 = "triton/fp8"
+OURS_NVFP4 = "triton/nvfp4_ds_mla"
+PEER_PREFIX = "fa3/"
+
+
+def _time(recs: list[dict[str, Any]], kernel: str, heads: int, rows: int) -> float | None:
+    hit = [r["us"] for r in recs if r["kernel"] == kernel and r["heads"] == heads and r["rows"] == rows]
+    return hit[0] if hit else None
+
+
+def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[str]:
+    """Time ratios a target is stated in, one table row each: our FP8 over the fastest peer kernel at that size,
+    nvfp4_ds_mla over our FP8 (below 1: faster)."""
+    peers = sorted({r["kernel"] for r in recs if r["kernel"].startswith(PEER_PREFIX)})
+
+    def best_peer(rows: int) -> float | None:
+        times = [t for k in peers if (t := _time(recs, k, heads, rows)) is not None]
+        return min(times) if times else None
+
+    out = []
+    for label, num, den in (("fp8 / best peer (time)", lambda n: _time(recs, OURS_FP8, heads, n), best_peer),
+                            ("nvfp4 / fp8 (time)", lambda n: _time(recs, OURS_NVFP4, heads, n),
+                             lambda n: _time(recs, OURS_FP8, heads, n))):
+        cells = [f"{a / b:.2f}" if (a := num(n)) is not None and (b := den(n)) else "-" for n in show]
+        if any(c != "-" for c in cells):
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> str:
-    """The README tables: ceilings; decode µs (TFLOP/s, fraction of floor) per H; accuracy; converter; fused."""
+    """The README tables: ceilings; decode µs (TFLOP/s, fraction of floor) and the targets' time ratios per H;
+    accuracy; converter; fused."""
     info = data.get("info", {})
     ceil = info.get("ceilings", {})
     recs = decode_rows(data)
@@ -123,6 +153,7 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
                 cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f})" if hit else "-")
             if any(c != "-" for c in cells):
                 lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines += ratio_rows(recs, heads, show)
         lines.append("")
     acc = data.get("accuracy", [])
     if acc:

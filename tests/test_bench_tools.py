@@ -160,6 +160,9 @@ def test_plot_and_markdown(tmp_path):
     assert "| triton/fp8 | 5 | 128 | 1.23e-03 |" in md
     assert "| 5 | 3.25 | 2.50 | 1.30 |" in md and "| 5 | 128 | 20.00 | 17.50 | 2.50 |" in md
     assert "1 measurement(s) failed" in md
+    # the targets' ratios: speeds 1.0 (fp8), 0.8 (nvfp4), 1.3 (fa3/bf16, the only peer) at every size
+    assert "| fp8 / best peer (time) | 0.77 | 0.77 | 0.77 |" in md
+    assert "| nvfp4 / fp8 (time) | 0.80 | 0.80 | 0.80 |" in md
     # every decode row of the table has a cell per column
     table_rows = [ln for ln in md.splitlines() if ln.startswith("| triton/") or ln.startswith("| fa3/")]
     assert table_rows and all(ln.count("|") == 5 for ln in table_rows if "rows" not in ln and "e-0" not in ln)
