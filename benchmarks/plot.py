@@ -18,7 +18,7 @@ DEFAULT_JSON = HERE / "results" / "latest" / "bench_suite.json"
 # One colour per kernel family/format, so a kernel and its floor line match.
 COLORS = {
     "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
-    "torch/fp8->bf16": "tab:gray", "convert+triton/fp8": "tab:purple",
+    "torch/fp8->bf16": "tab:gray", "convert+triton/fp8": "tab:purple", "triton-pv8/fp8": "tab:cyan",
 }
 HEAD_GROUPS = {"bench_H128.png": (128,), "bench_H16_H12.png": (16, 12)}
 
@@ -95,6 +95,7 @@ def _fmt(x: Any, nd: int = 1) -> str:
 
 OURS_FP8 = "triton/fp8"
 OURS_NVFP4 = "triton/nvfp4_ds_mla"
+OURS_FP8_PV = "triton-pv8/fp8"  # VLLM_KIMI_DSA_FP8_PV=1: P.V on e4m3
 PEER_PREFIX = "fa3/"
 
 
@@ -104,8 +105,8 @@ def _time(recs: list[dict[str, Any]], kernel: str, heads: int, rows: int) -> flo
 
 
 def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[str]:
-    """Time ratios a target is stated in, one table row each: our FP8 over the fastest peer kernel at that size,
-    nvfp4_ds_mla over our FP8 (below 1: faster)."""
+    """Time ratios a target is stated in, one table row each: our FP8 (and FP8 with P.V on e4m3) over the fastest
+    peer kernel at that size, nvfp4_ds_mla over our FP8 (below 1: faster)."""
     peers = sorted({r["kernel"] for r in recs if r["kernel"].startswith(PEER_PREFIX)})
 
     def best_peer(rows: int) -> float | None:
@@ -114,6 +115,8 @@ def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[
 
     out = []
     for label, num, den in (("fp8 / best peer (time)", lambda n: _time(recs, OURS_FP8, heads, n), best_peer),
+                            ("fp8 P.V e4m3 / best peer (time)", lambda n: _time(recs, OURS_FP8_PV, heads, n),
+                             best_peer),
                             ("nvfp4 / fp8 (time)", lambda n: _time(recs, OURS_NVFP4, heads, n),
                              lambda n: _time(recs, OURS_FP8, heads, n))):
         cells = [f"{a / b:.2f}" if (a := num(n)) is not None and (b := den(n)) else "-" for n in show]

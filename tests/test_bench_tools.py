@@ -125,6 +125,10 @@ def synthetic_json() -> dict:
                 us = speed * (12.0 + 1.1 * rows * (heads / 128 + 0.2))
                 recs.append({"section": "decode", "kernel": kernel, "fmt": fmt, "rows": rows, "heads": heads,
                              **bs.metrics(rows, heads, us, fmt, qb, compute, CEIL)})
+    for rows in (1, 5, 20, 80, 320):  # the FP8_PV opt-in: > 32 heads only, speed 0.9
+        us = 0.9 * (12.0 + 1.1 * rows * 1.2)
+        recs.append({"section": "decode", "kernel": "triton-pv8/fp8", "fmt": "fp8", "rows": rows, "heads": 128,
+                     **bs.metrics(rows, 128, us, "fp8", 1, "fp8", CEIL)})
     recs.append({"section": "convert", "kernel": "convert", "rows": 5, "us": 3.25, "copy_us": 2.5, "vs_copy": 1.3})
     recs.append({"section": "fused", "kernel": "convert+triton/fp8", "rows": 5, "heads": 128, "us": 20.0,
                  "decode_us": 17.5, "convert_overhead_us": 2.5, "tflops": 1.0})
@@ -163,6 +167,7 @@ def test_plot_and_markdown(tmp_path):
     # the targets' ratios: speeds 1.0 (fp8), 0.8 (nvfp4), 1.3 (fa3/bf16, the only peer) at every size
     assert "| fp8 / best peer (time) | 0.77 | 0.77 | 0.77 |" in md
     assert "| nvfp4 / fp8 (time) | 0.80 | 0.80 | 0.80 |" in md
+    assert md.count("| fp8 P.V e4m3 / best peer (time) | 0.69 | 0.69 | 0.69 |") == 1  # H = 128 only
     # every decode row of the table has a cell per column
     table_rows = [ln for ln in md.splitlines() if ln.startswith("| triton/") or ln.startswith("| fa3/")]
     assert table_rows and all(ln.count("|") == 5 for ln in table_rows if "rows" not in ln and "e-0" not in ln)

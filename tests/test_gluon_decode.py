@@ -124,11 +124,11 @@ def _case(rows: int, heads: int, width: int, *, seed: int, num_rows: int = 4099,
     return q.to(DEVICE), kv.to(DEVICE), slots.to(DEVICE), counts.to(DEVICE), softmax_scale, output_scale
 
 
-def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale, fmt: str = "fp8") -> None:
+def _check(out, lse, q, kv, slots, counts, softmax_scale, output_scale, fmt: str = "fp8", **kw) -> None:
     """test_triton_decode's check (bf16 rounding, fp16 P, the fp8-wgmma logit bound) with the Gluon kernel's config;
     kv: fp8 rows, or (fmt conftest.VALUES) the values an e4m3 form computes with."""
     triton_check(out, lse, q, kv, slots, counts, fmt, softmax_scale, output_scale, config=gluon_config(),
-                 wgmma=True)
+                 wgmma=True, **kw)
 
 
 def test_nvfp4_case_has_every_row_shift_and_negative_scales() -> None:

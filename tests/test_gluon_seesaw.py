@@ -5,11 +5,11 @@ Triton versions); the checks of the params run everywhere. Inputs are test_gluon
 -1 holes, junk past counts, a count-0 row, a 1-token row and an all-holes row, so rows (and splits) of 0, 1, odd and
 even tile counts (which consumer owns the last tile, and who takes it as the other's); odd row counts; 64 / 96 / 128
 heads (96: a half-empty second head block); widths 128 / 1024 / 2048; one split and several (the combine); K rings of
-2-4; one, two (the default) or four P.V register operands in flight; outputs poisoned with NaN; the kernel choice
-(TritonDecode: launches of whole long rows). test_gluon_decode.py runs its lse=None, CUDA-graph replay, tail-split and
+2-4; one, two (the default) or four P.V register operands in flight; P.V on e4m3 (pv_fp8, VLLM_KIMI_DSA_FP8_PV=1);
+outputs poisoned with NaN; the kernel choice (TritonDecode: launches of whole long rows). test_gluon_decode.py runs its lse=None, CUDA-graph replay, tail-split and
 few-heads-rejection tests on this kernel too. Tolerance: test_triton_decode's check for the 64-head fp8 config (bf16
 output rounding, fp16 P, the fp8 wgmma's logits within conftest.wgmma_logit_bound): the same arithmetic as
-gluon_decode's kernel. NaN never passes.
+gluon_decode's kernel; pv_fp8 with P_ERR_E4M3 for P's rounding (decode_checks). NaN never passes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import GLUON_GPU, VALUES
+from decode_checks import P_ERR, P_ERR_E4M3
 from test_gluon_decode import _case, _check, _poisoned, assert_agree
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
 from vllm_kimi_dsa.formats import nvfp4_e4m3_values
@@ -43,10 +44,11 @@ class Case:
     nvfp4: bool = False  # nvfp4_ds_mla rows, converted to e4m3 by the gatherer
     r_stages: int = 2
     cvt_rows: int = 8
+    pv_fp8: bool = False  # P.V on e4m3 wgmma
 
     def params(self) -> SeesawParams:
         return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, nvfp4=self.nvfp4,
-                            r_stages=self.r_stages, cvt_rows=self.cvt_rows)
+                            r_stages=self.r_stages, cvt_rows=self.cvt_rows, pv_fp8=self.pv_fp8)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -91,12 +93,20 @@ CASES = [
     nvfp4_case(6, 96, 1024, splits=3, cvt_rows=16),
     nvfp4_case(7, 128, 2048, splits=1, r_stages=1),
     nvfp4_case(5, 64, 2048, splits=2, pv_in_flight=1),
+    # P.V on e4m3 wgmma: held to P_ERR_E4M3 for P
+    Case(1, 128, 2048, splits=1, pv_fp8=True),
+    Case(2, 64, 128, splits=1, pv_fp8=True),
+    Case(5, 128, 2048, splits=3, pv_fp8=True),
+    Case(7, 96, 1024, pv_fp8=True, pv_in_flight=1),
+    Case(33, 128, 1024, splits=1, pv_fp8=True),
+    Case(320, 128, 2048, pv_fp8=True),
 ]
 
 
 def _case_id(c: Case) -> str:
     nv = f"-nvfp4-rs{c.r_stages}-cvt{c.cvt_rows}" if c.nvfp4 else ""
-    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}{nv}"
+    pv8 = "-pvfp8" if c.pv_fp8 else ""
+    return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}{nv}{pv8}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -112,6 +122,10 @@ def test_rejects_bad_params() -> None:
         SeesawParams(k_stages=6)
     with pytest.raises(ValueError, match="consumer_regs"):
         SeesawParams(consumer_regs=240, producer_regs=56)  # WG0 would get 208 < 240
+    with pytest.raises(ValueError, match="pv_fp8"):
+        SeesawParams(pv_fp8=True, nvfp4=True)
+    with pytest.raises(ValueError, match="pv_in_flight"):
+        SeesawParams(pv_fp8=True, pv_in_flight=4)  # two k-steps a tile
 
 
 @GPU
@@ -128,7 +142,7 @@ def test_matches_reference(case: Case) -> None:
     if case.nvfp4:
         _check(out, lse, q, nvfp4_e4m3_values(kv), slots, counts, ss, os_, fmt=VALUES)
     else:
-        _check(out, lse, q, kv, slots, counts, ss, os_)
+        _check(out, lse, q, kv, slots, counts, ss, os_, p_err=P_ERR_E4M3 if case.pv_fp8 else P_ERR)
 
 
 @GPU
@@ -178,6 +192,46 @@ def test_kernel_class_runs_nvfp4_on_seesaw(heads: int, monkeypatch: pytest.Monke
         k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
         torch.cuda.synchronize()
         _check(out, lse, q[:rows], nvfp4_e4m3_values(kv), slots[:rows], counts[:rows], ss, os_, fmt=VALUES)
+
+
+@GPU
+@pytest.mark.parametrize("heads", [128, 64, 96])
+def test_fp8_pv_kernel_class_and_graph_replay(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_KIMI_DSA_FP8_PV=1 (fp8, > 32 heads): TritonDecode runs every launch on the P.V-on-e4m3 form (where
+    verified, or forced), one-launch, split, tail-split and whole-row plans all within P_ERR_E4M3 of the reference;
+    a CUDA-graph replay on new inputs equals an eager call on them bit for bit."""
+    from test_gluon_decode import replay_on_new_inputs
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+
+    monkeypatch.setenv("VLLM_KIMI_DSA_FP8_PV", "1")
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
+    rows_list, width = (1, 5, 9, 80, 133), 2048
+    q, kv, slots, counts, ss, os_ = _case(max(rows_list), heads, width, seed=71)
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=rows_list, capacities=(),
+                        widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
+    k = hopper.TritonDecode(setup)
+    assert k.gluon == SeesawParams(pv_fp8=True)
+    for rows in rows_list:
+        out, lse = _poisoned(rows, heads)
+        k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)
+        torch.cuda.synchronize()
+        _check(out, lse, q[:rows], kv, slots[:rows], counts[:rows], ss, os_, p_err=P_ERR_E4M3)
+    rows = 80  # whole rows and a split tail
+    ins = tuple(t[:rows] for t in (q, slots, counts))
+    q2, kv2, slots2, counts2, *_ = _case(rows, heads, width, seed=72)
+    out, lse = _poisoned(rows, heads)
+
+    def call() -> None:
+        k(ins[0], kv, ins[1], ins[2], out, lse, block_size=1, rows_per_block_stride=1)
+
+    replay_on_new_inputs(call, (ins[0], kv, ins[1], ins[2]), (q2, kv2, slots2, counts2), out, lse)
+    out_g, lse_g = out.clone(), lse.clone()
+    call()
+    torch.cuda.synchronize()
+    assert torch.equal(out_g, out) and torch.equal(lse_g.isfinite(), lse.isfinite())
+    assert torch.equal(lse_g[lse_g.isfinite()], lse[lse.isfinite()])
+    _check(out, lse, q2, kv2, slots2, counts2, ss, os_, p_err=P_ERR_E4M3)
 
 
 @GPU

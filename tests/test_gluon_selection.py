@@ -237,6 +237,47 @@ def test_seesaw_runs_the_launches_of_whole_long_rows(monkeypatch: pytest.MonkeyP
         assert isinstance(k.plan_params[r, 512][1], SeesawParams) == (not whole), r
 
 
+@pytest.mark.parametrize("heads", [128, 96, 64])
+def test_fp8_pv_opt_in_runs_every_launch_on_the_e4m3_form(heads: int, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Runs on a CPU too (the binding): VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads (fp8) binds the seesaw kernel's
+    P.V-on-e4m3 form to both launches of every plan (split tails included: it is faster than the default pair there,
+    docs/hopper-kernels.md), on the 64-head kernel's plans; nvfp4 and <= 32 heads are unchanged; where the form is
+    not verified on this Triton, a warning and the default kernels."""
+    monkeypatch.setenv("VLLM_KIMI_DSA_FP8_PV", "1")
+    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
+    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
+    monkeypatch.setattr(hopper_dispatch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(variants, "verified", lambda v: True)
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(320,), capacities=(), widths=(512, 2048),
+                        return_lse=True, softmax_scale=0.04, output_scale=1.0)
+    k = TritonDecode(setup)
+    assert k.gluon == SeesawParams(pv_fp8=True) and not k.gluon_large and k.config == gluon_config()
+    for (rows, width), pair in k.plan_params.items():
+        assert pair == (k.gluon, k.gluon), (rows, width, pair)
+        assert k._plans[rows, width] == planning.choose_plan(rows, heads, width, gluon_config(), 132)
+    assert not TritonDecode(dataclasses.replace(setup, fmt="nvfp4_ds_mla")).gluon.pv_fp8
+    assert isinstance(TritonDecode(dataclasses.replace(setup, heads=32)).gluon, FewHeadsParams)
+    # not verified on this Triton: the default pair, and a warning naming the switch
+    monkeypatch.setattr(variants, "verified", lambda v: v != "seesaw-pv-fp8")
+    with caplog.at_level("WARNING"):
+        k = TritonDecode(setup)
+    assert isinstance(k.gluon, GluonParams) and k.gluon_large == (SeesawParams(),)
+    assert "VLLM_KIMI_DSA_FP8_PV" in caplog.text
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")  # ... unless forced
+    assert TritonDecode(setup).gluon == SeesawParams(pv_fp8=True)
+
+
+def test_fp8_pv_switch_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kimi_dsa import envs
+
+    monkeypatch.setenv("VLLM_KIMI_DSA_FP8_PV", "yes")
+    with pytest.raises(ValueError, match="VLLM_KIMI_DSA_FP8_PV='yes'"):
+        envs.fp8_pv()
+    monkeypatch.delenv("VLLM_KIMI_DSA_FP8_PV")
+    assert envs.fp8_pv() is False
+
+
 @pytest.mark.parametrize("heads", [17, 24, 32, 16])
 def test_nvfp4_seesaw_form_runs_the_larger_batches_of_17_to_32_heads(heads: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -357,6 +398,6 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
 def test_verified_variants() -> None:
     """The Triton versions each Gluon variant passed its GPU tests on (the nvfp4 forms' current code on the H100);
     no other version is listed."""
-    assert variants.VERIFIED_TRITON == dict.fromkeys(
+    assert variants.VERIFIED_TRITON == {**dict.fromkeys(
         ("gluon64", "seesaw", "seesaw-nvfp4", "few-fp8", "few-fp8-multi", "few-nvfp4", "few-nvfp4-multi", "pv_early"),
-        ("3.6", "3.8"))
+        ("3.6", "3.8")), "seesaw-pv-fp8": ("3.6",)}

@@ -1,8 +1,8 @@
 """`python -m vllm_kimi_dsa bench --out DIR`: the one-GPU benchmark suite of the sparse MLA decode.
 
-Our Triton kernel (FP8, nvfp4_ds_mla) vs FlashInfer's SM90 fa3 peer, also a plain-torch baseline, the top-k
-converter vs a same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is
-reported against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
+Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads: triton-pv8/fp8) vs FlashInfer's
+SM90 fa3 peer, also a plain-torch baseline, the top-k converter vs a same-bytes copy, convert+decode in one graph, and
+the machine's copy / matmul ceilings every result is reported against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
 
     python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer]
     python3 benchmarks/bench_suite.py --out DIR ...          (the same suite, from a source checkout)
@@ -33,11 +33,12 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
-from vllm_kimi_dsa import cli_types
+from vllm_kimi_dsa import cli_types, envs
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, FP8_ROW_BYTES, pack_nvfp4
 from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
 
@@ -59,6 +60,8 @@ TORCH_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (5, 16), (80, 16))
 FUSED_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (320, 128), (5, 12), (80, 12))
 ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM}
 MAX_SETS = 64
+# our kernel's rows of the tables: as the core binds it, with even plans only (--even), with VLLM_KIMI_DSA_FP8_PV=1
+OUR_FAMILIES = ("triton", "triton-even", "triton-pv8")
 
 
 def log(*a: Any) -> None:
@@ -170,14 +173,17 @@ def even_plans() -> Iterator[None]:
         cost.plan_and_cost.cache_clear()
 
 
-def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True) -> Callable[..., None]:
+def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True,
+                  fp8_pv: bool = False) -> Callable[..., None]:
+    """Our kernel as the core binds it; lead False: even plans only (--even); fp8_pv: VLLM_KIMI_DSA_FP8_PV=1."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.backends.hopper import TritonDecode
 
     sm, osc = scales(fmt)
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
                         return_lse=False, softmax_scale=sm, output_scale=osc)
-    with contextlib.nullcontext() if lead else even_plans():
+    with contextlib.nullcontext() if lead else even_plans(), \
+            mock.patch.dict(os.environ, {envs.FP8_PV: "1" if fp8_pv else "0"}):
         kernel = TritonDecode(setup)
 
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
@@ -382,16 +388,19 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
             slots, counts = inp["slots"], inp["counts"]
             for kind in kinds:
                 what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
-                if kind.startswith(("triton/", "triton-even/")):
-                    fmt = kind.split("/", 1)[1]
+                if kind.startswith(OUR_FAMILIES):
+                    family, fmt = kind.split("/", 1)
+                    if family == "triton-pv8" and heads <= 32:  # the opt-in changes nothing there
+                        continue
 
-                    def run_triton(fmt: str = fmt, lead: bool = kind.startswith("triton/")) -> dict[str, Any]:
-                        call = triton_kernel(fmt, heads, rows, dev, lead)
+                    def run_triton(fmt: str = fmt, family: str = family) -> dict[str, Any]:
+                        call = triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")
                         calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, s), slots, counts, inp["outs"][s])
                                  for s in range(sets)]
                         us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
+                        compute = "fp8" if family == "triton-pv8" else "fp8qk"  # P.V on e4m3 there
                         return {**what, "fmt": fmt, "sets": sets, "impl": call.impl,
-                                **metrics(rows, heads, us, fmt, 1, "fp8qk", ceil)}
+                                **metrics(rows, heads, us, fmt, 1, compute, ceil)}
 
                     rec = suite.guarded(what, run_triton)
                 else:
@@ -438,9 +447,11 @@ def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...
 
             def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
                 family, fmt = kind.split("/", 1)
-                if family in ("triton", "triton-even"):
-                    triton_kernel(fmt, heads, rows, dev, family == "triton")(inp["q8"], data.window(fmt, 0),
-                                                                            inp["slots"], inp["counts"], out)
+                if family in OUR_FAMILIES:
+                    if family == "triton-pv8" and heads <= 32:
+                        return None
+                    triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
+                        inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], out)
                     ref = refs[fmt]
                 elif family == "torch":
                     torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], inp["counts"], out)
@@ -697,7 +708,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
     suite.dump()
 
-    ours = ["triton/fp8", "triton/nvfp4_ds_mla"] + (["triton-even/fp8"] if args.even else [])
+    ours = ["triton/fp8", "triton/nvfp4_ds_mla", "triton-pv8/fp8"] + (["triton-even/fp8"] if args.even else [])
     decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
     if not args.quick:
         torch_section(suite, data, ceil, TORCH_SIZES)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 BACKEND = "VLLM_KIMI_DSA_BACKEND"
 KERNEL_TABLE = "VLLM_KIMI_DSA_KERNEL_TABLE"
 GLUON = "VLLM_KIMI_DSA_GLUON"
+FP8_PV = "VLLM_KIMI_DSA_FP8_PV"
 
 # name -> (what it does, the values it takes); the README's table is made from the same words.
 DOCS: dict[str, tuple[str, str]] = {
@@ -29,9 +30,14 @@ DOCS: dict[str, tuple[str, str]] = {
         "compiles them (1), never (0)",
         "unset | 1 | 0",
     ),
+    FP8_PV: (
+        "Hopper, fp8 cache, more than 32 heads: P.V on FP8 tensor cores, P rounded to e4m3 (faster at large "
+        "batches; adds ~1e-2 relative error against the cache's values, docs/hopper-kernels.md)",
+        "0 (default) | 1",
+    ),
 }
 
-_SWITCHES = {BACKEND: ("0", "1"), GLUON: ("", "0", "1")}
+_SWITCHES = {BACKEND: ("0", "1"), GLUON: ("", "0", "1"), FP8_PV: ("0", "1")}
 
 
 def _switch(name: str, default: str) -> str:
@@ -58,11 +64,17 @@ def gluon_choice() -> str:
     return _switch(GLUON, "")
 
 
+def fp8_pv() -> bool:
+    """VLLM_KIMI_DSA_FP8_PV: whether the 64-head fp8 decode rounds P to e4m3 for FP8 P.V (default 0)."""
+    return _switch(FP8_PV, "0") == "1"
+
+
 # vLLM's own format: name -> a function reading the current value.
 ENVIRONMENT_VARIABLES: dict[str, Callable[[], Any]] = {
     BACKEND: backend_enabled,
     KERNEL_TABLE: kernel_table_path,
     GLUON: gluon_choice,
+    FP8_PV: fp8_pv,
 }
 
 
@@ -84,9 +96,11 @@ __all__ = [
     "BACKEND",
     "DOCS",
     "ENVIRONMENT_VARIABLES",
+    "FP8_PV",
     "GLUON",
     "KERNEL_TABLE",
     "backend_enabled",
+    "fp8_pv",
     "gluon_choice",
     "kernel_table_path",
     "register_with_vllm",

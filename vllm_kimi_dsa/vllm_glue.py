@@ -275,6 +275,7 @@ def register() -> None:
     envs.register_with_vllm()
     enabled = envs.backend_enabled()
     envs.gluon_choice()  # a bad value raises here, at startup, not in the first decode step
+    envs.fp8_pv()
     if enabled:
         from vllm_kimi_dsa import selection
 

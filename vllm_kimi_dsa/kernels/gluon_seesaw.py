@@ -51,6 +51,12 @@ if gl is not None:
     _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_H, 16]))
     _P_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # PV_FP8: P in e4m3 (64-byte rows), computed as 2**P_LOG2 p (the row sums too) so the smallest p e4m3 keeps
+    # is 2**-17, not 2**-9, and the largest, 256, is below its 448
+    _P8_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
+    _P_LOG2 = gl.constexpr(8.0)
+    _O8_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_H, 32]))
     _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # Consumer `half` takes latent dims 256 half .. + 255; its O^T row i = 64 m + 16 w + 8 h + r (warp w, lane row r,
     # half h of the fragment, repetition m) holds dim 256 half + 64 w + 8 r + 2 m + h, so a thread's 8 dims of a
@@ -60,6 +66,13 @@ if gl is not None:
         reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
         lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
         warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256]))
+    # PV_FP8: the same dims a thread, for 8 tokens (4 contiguous, twice 16 apart: the e4m3 A operand's k bits 0, 1
+    # and 4) of a 32-token k-step; loaded as 8 LDS.64, then bytes moved in-thread to the operand's order.
+    # Shape [32 tokens, 256 dims].
+    _V8_HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+        warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
     # O^T back in latent order for the epilogue: 8 contiguous dims (16-byte bf16 stores) and 2 heads a thread
     _O_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 2], [8, 4], [4, 1], [0, 1]))
 
@@ -70,6 +83,13 @@ if gl is not None:
         # dim = 64 w + 8 r + 2 m + h  ->  (m, w, h, r, token)
         x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, 8, 4, 2]), (3, 1, 4, 2, 0)), [256, 16])
         return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
+
+    @gluon.jit
+    def _v8_half_chunk(k_stage, kk: gl.constexpr, HALF: gl.constexpr):
+        """Tokens 32 kk .. 32 kk + 31 of latent half HALF of a K stage as the e4m3 A operand of O^T += V^T P^T."""
+        x = k_stage.slice(32 * kk, 32, dim=0).slice(256 * HALF, 256, dim=1).load(_V8_HALF_LAYOUT)
+        x = gl.reshape(gl.permute(gl.reshape(x, [32, 4, 8, 4, 2]), (3, 1, 4, 2, 0)), [256, 32])
+        return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=_O8_LAYOUT, k_width=4))
 
     @gluon.jit
     def _issue_qk(t, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES: gl.constexpr, fac_s=None,
@@ -89,31 +109,36 @@ if gl is not None:
 
     @gluon.jit
     def _issue_pv(t, acc, k_lat_s, p_s, k_empty, HALF: gl.constexpr, K_STAGES: gl.constexpr,
-                  IN_FLIGHT: gl.constexpr):
-        """Issue O^T[HALF] += V_t^T[HALF] P_t^T (4 k-steps of 16 tokens; at most IN_FLIGHT register operands held by
-        wgmmas in flight), then free tile t's K stage for this consumer (its operands are in registers by then).
-        Returns the in-flight accumulator; the caller retires it."""
+                  IN_FLIGHT: gl.constexpr, PV_FP8: gl.constexpr = False):
+        """Issue O^T[HALF] += V_t^T[HALF] P_t^T (4 k-steps of 16 tokens, PV_FP8: 2 of 32 on e4m3 wgmma; at most
+        IN_FLIGHT register operands held by wgmmas in flight), then free tile t's K stage for this consumer (its
+        operands are in registers by then). Returns the in-flight accumulator; the caller retires it."""
         stage = t % K_STAGES
         k_stage = k_lat_s.index(stage)
         p_t = p_s.index(t % 2).permute((1, 0))
         a = warpgroup_mma_init(acc)
-        for kk in gl.static_range(4):
+        KSTEP: gl.constexpr = 32 if PV_FP8 else 16
+        for kk in gl.static_range(_BN // KSTEP):
             if kk >= IN_FLIGHT:
                 a = warpgroup_mma_wait(num_outstanding=IN_FLIGHT - 1, deps=(a,))
-            v = _v_half_chunk(k_stage, kk, HALF)
-            a = warpgroup_mma(v, p_t.slice(16 * kk, 16, dim=0), a, is_async=True)
+            if PV_FP8:
+                v = _v8_half_chunk(k_stage, kk, HALF)
+            else:
+                v = _v_half_chunk(k_stage, kk, HALF)
+            a = warpgroup_mma(v, p_t.slice(KSTEP * kk, KSTEP, dim=0), a, is_async=True)
         mbarrier.arrive(k_empty.index(stage))
         return a
 
     @gluon.jit
-    def _rescale(acc, alpha):
+    def _rescale(acc, alpha, PV_FP8: gl.constexpr = False):
         """O^T's columns (heads) times alpha (a head's factor, in S's row layout)."""
-        return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, _O_LAYOUT)), 0)
+        o_layout: gl.constexpr = _O8_LAYOUT if PV_FP8 else _O_LAYOUT
+        return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
 
     @gluon.jit
     def _own_tile(t, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty, qk_scale,
                   HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, fac_s=None,
-                  NVFP4: gl.constexpr = False):
+                  NVFP4: gl.constexpr = False, PV_FP8: gl.constexpr = False):
         """Tile t, this consumer's (S_t = s, retired): the online softmax from m_(t-1), P_t and m_t published for the
         other consumer, then this consumer's P.V of the tile, retired. Returns (m_t, l, O^T). NVFP4: P published
         times its rows' factors (their K stage latent holds value x 2**-s)."""
@@ -122,23 +147,30 @@ if gl is not None:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        if PV_FP8:
+            p = gl.exp2(s - gl.expand_dims(m_use - _P_LOG2, 1))
+        else:
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         b = t % 2
         # buffer b is free once the other consumer's P.V of tile t - 2 has retired (and it has read m_(t-2))
         if NVFP4:
             p = p * gl.expand_dims(fac_s.index(t % K_STAGES).load(gl.SliceLayout(0, _S_LAYOUT)), 0)
         mbarrier.wait(p_empty.index(b), ((t // 2) & 1) ^ 1)
-        p_s.index(b).store(p.to(gl.float16))
+        if PV_FP8:
+            p_s.index(b).store(p.to(gl.float8e4nv))
+        else:
+            p_s.index(b).store(p.to(gl.float16))
         x_s.index(b).store(m_new)
         fence_async_shared()
         mbarrier.arrive(p_ready.index(b))
-        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
+        a = _issue_pv(t, _rescale(acc, alpha, PV_FP8), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT, PV_FP8)
         return m_new, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(a,))
 
     @gluon.jit
     def _other_tile(t, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                    HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr,
+                    PV_FP8: gl.constexpr = False):
         """Tile t, the other consumer's: take m_t and P_t from the owner, rescale and add this consumer's P.V of the
         tile; retired, the P buffer handed back. Returns (m_t, l, O^T)."""
         # the stage's bytes (read here through registers) are visible after its k_ready phase
@@ -148,14 +180,15 @@ if gl is not None:
         m_new = x_s.index(b).load(gl.SliceLayout(1, _S_LAYOUT))
         alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
         l_i = l_i * alpha
-        a = _issue_pv(t, _rescale(acc, alpha), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT)
+        a = _issue_pv(t, _rescale(acc, alpha, PV_FP8), k_lat_s, p_s, k_empty, HALF, K_STAGES, IN_FLIGHT, PV_FP8)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
         mbarrier.arrive(p_empty.index(b))
         return m_new, l_i, acc
 
     @gluon.jit
     def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr):
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr,
+                  PV_FP8: gl.constexpr = False):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
         out (bf16) or the split partial (fp16), and (consumer 0) the LSE, as the plain kernel's epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
@@ -165,7 +198,8 @@ if gl is not None:
         l_i = l_s.index(0).load(head_s) + l_s.index(1).load(head_s)
         # common.gluon.normalizers, written out: the call (inv first) reorders this kernel's SASS
         has = l_i > 0.0
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        m_l = m_i - _P_LOG2 if PV_FP8 else m_i  # PV_FP8: l holds 2**P_LOG2 times the row sums
+        lse2 = gl.where(has, m_l + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         # row i = 64 m + 16 w + 8 h + r of O^T is dim 64 w + 8 r + 2 m + h of this half: in-thread to latent order
         o = gl.reshape(gl.permute(gl.reshape(acc, [4, 4, 2, 8, _BH]), (1, 3, 0, 2, 4)), [256, _BH])
@@ -192,33 +226,35 @@ if gl is not None:
         row, split, hb, num_tiles, H, num_splits,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, fac_s=None, NVFP4: gl.constexpr = False,
+        PV_FP8: gl.constexpr = False,
     ):
         """Consumer HALF: owns the tiles t = HALF mod 2 (_own_tile) and takes P.V of the others (_other_tile), in
         tile order. Consumer 0 starts with tile 0; a consumer ends with the last tile when it is the other's.
         NVFP4: the K stages' rows carry factors (fac_s) for their logits and P."""
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
-        acc = gl.zeros([256, _BH], gl.float32, _O_LAYOUT)
+        o_layout: gl.constexpr = _O8_LAYOUT if PV_FP8 else _O_LAYOUT
+        acc = gl.zeros([256, _BH], gl.float32, o_layout)
         if HALF == 0:
             if num_tiles > 0:
                 s = _issue_qk(0, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES, fac_s, NVFP4)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(0, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                          qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4)
+                                          qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4, PV_FP8)
         # the other's tile o - 1, then this consumer's tile o
         for o in range(2 - HALF, num_tiles, 2):
             m_i, l_i, acc = _other_tile(o - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready, p_empty,
-                                        HALF, K_STAGES, IN_FLIGHT)
+                                        HALF, K_STAGES, IN_FLIGHT, PV_FP8)
             s = warpgroup_mma_wait(num_outstanding=0,
                                    deps=(_issue_qk(o, q_lat_s, q_rope_s, k_lat_s, k_rope_s, k_ready, K_STAGES,
                                                    fac_s, NVFP4),))
             m_i, l_i, acc = _own_tile(o, s, m_i, l_i, acc, k_lat_s, bias_s, p_s, x_s, k_empty, p_ready, p_empty,
-                                      qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4)
+                                      qk_scale, HALF, K_STAGES, IN_FLIGHT, fac_s, NVFP4, PV_FP8)
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
-                                        p_empty, HALF, K_STAGES, IN_FLIGHT)
+                                        p_empty, HALF, K_STAGES, IN_FLIGHT, PV_FP8)
         _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF)
+                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, PV_FP8)
 
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def seesaw_decode_kernel(
@@ -235,6 +271,7 @@ if gl is not None:
         NVFP4: gl.constexpr = False,  # nvfp4_ds_mla rows: the gatherer converts them to fp8 K stages (e4m3)
         R_STAGES: gl.constexpr = 2,  # NVFP4: the packed ring's depth (22.3 KB a stage)
         CVT_ROWS: gl.constexpr = 8,  # NVFP4: rows a conversion step
+        PV_FP8: gl.constexpr = False,  # P.V on e4m3 wgmma: P rounded to e4m3 (fp8 rows only)
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel. NVFP4: the consumers read the
         e4m3 K stages nvfp4_gatherer writes (formats.nvfp4_as_fp8 of the rows)."""
@@ -243,7 +280,10 @@ if gl is not None:
         start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
 
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
-        p_s = gl.allocate_shared_memory(gl.float16, [2, _BH, _BN], _P_LAYOUT)
+        if PV_FP8:
+            p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, _BH, _BN], _P8_LAYOUT)
+        else:
+            p_s = gl.allocate_shared_memory(gl.float16, [2, _BH, _BN], _P_LAYOUT)
         bias_s = gl.allocate_shared_memory(gl.float32, [K_STAGES, _BN], _PLAIN)
         x_s = gl.allocate_shared_memory(gl.float32, [2, _BH], _PLAIN)
         l_s = gl.allocate_shared_memory(gl.float32, [2, _BH], _PLAIN)
@@ -309,13 +349,13 @@ if gl is not None:
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                  row, split, hb, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 0, K_STAGES, PV_IN_FLIGHT)),
+                                 0, K_STAGES, PV_IN_FLIGHT, None, False, PV_FP8)),
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                                  row, split, hb, num_tiles, H, num_splits,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
-                                 1, K_STAGES, PV_IN_FLIGHT)),
+                                 1, K_STAGES, PV_IN_FLIGHT, None, False, PV_FP8)),
                     (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
                                 kv_ptr, slots_ptr, row, start, end, num_tiles, stride_kv, stride_s_row,
                                 _BN, K_STAGES)),
@@ -342,10 +382,14 @@ class SeesawParams:
     nvfp4: bool = False
     r_stages: int = 2  # nvfp4: the packed ring's depth (22.3 KB a stage)
     cvt_rows: int = 8  # nvfp4: rows a conversion step (the gatherer's registers)
+    # P.V on e4m3 wgmma (fp8 rows): P rounded to e4m3 (2**-4 relative) instead of fp16
+    pv_fp8: bool = False
 
     def __post_init__(self) -> None:
-        if self.pv_in_flight not in (1, 2, 4):
-            raise ValueError(f"pv_in_flight must be 1, 2 or 4, got {self.pv_in_flight}")
+        if self.pv_in_flight not in ((1, 2) if self.pv_fp8 else (1, 2, 4)):
+            raise ValueError(f"pv_in_flight must be 1, 2 or 4 (pv_fp8: 1 or 2), got {self.pv_in_flight}")
+        if self.pv_fp8 and self.nvfp4:
+            raise ValueError("pv_fp8 takes fp8 rows only (nvfp4's P carries its rows' factors, past e4m3's range)")
         check_warpgroup_regs(self.consumer_regs, self.producer_regs)
         if self.cvt_rows not in (8, 16, 32) or self.r_stages < 1:
             raise ValueError(f"cvt_rows must be 8, 16 or 32 and r_stages >= 1, got {self.cvt_rows}, {self.r_stages}")
@@ -358,7 +402,8 @@ class SeesawParams:
         shifted fp16 scales, plus ~2 KB (bias, mbarriers, warp-specialize state)."""
         packed = (self.r_stages * BLOCK_N * (NVFP4_ROW_BYTES + 4)
                   + e4m3_scale_bytes(BLOCK_N, self.k_stages)) if self.nvfp4 else 0
-        return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + 2 * BLOCK_H * BLOCK_N * 2 + packed + 2048
+        p_bytes = 2 * BLOCK_H * BLOCK_N * (1 if self.pv_fp8 else 2)
+        return BLOCK_H * HEAD_DIM + self.k_stages * BLOCK_N * HEAD_DIM + p_bytes + packed + 2048
 
     def config(self, heads: int | None = None) -> Config:
         """The triton_decode.Config the split heuristic and the workspace see (64-head, 64-token tiles, 1 CTA an
@@ -377,7 +422,7 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
     """seesaw_decode_kernel's compile-time arguments for these params (the launcher's and gluon_report's)."""
     return dict(K_STAGES=params.k_stages, PV_IN_FLIGHT=params.pv_in_flight, CONSUMER_REGS=params.consumer_regs,
                 PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4, R_STAGES=params.r_stages,
-                CVT_ROWS=params.cvt_rows)
+                CVT_ROWS=params.cvt_rows, PV_FP8=params.pv_fp8)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,

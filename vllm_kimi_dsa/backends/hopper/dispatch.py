@@ -17,7 +17,10 @@ from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels.common import check_inputs, num_sms, run_plan, shared_workspace
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available
+from vllm_kimi_dsa.logs import init_logger
 from vllm_kimi_dsa.planning import choose_lead, choose_plan, default_config, plan_cost, plan_table
+
+logger = init_logger(__name__)
 
 # (params, the kernel module's launch): params None is the plain kernel
 Kernel = tuple[Any, Any]
@@ -145,7 +148,11 @@ def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
     """gluon_choice's kernels where this device runs Gluon and (unless VLLM_KIMI_DSA_GLUON=1) they were verified on
     this Triton; None: the plain kernel."""
     want = envs.gluon_choice()
-    choice = gluon_choice(fmt, setup.heads, want)
+    fp8_pv = envs.fp8_pv()
+    choice = gluon_choice(fmt, setup.heads, want, fp8_pv)
+    if fp8_pv and want != "0" and fmt == "fp8" and setup.heads > 32 and not getattr(choice and choice.params, "pv_fp8", False):
+        logger.warning("%s=1: P.V on e4m3 is not verified on this Triton, the default kernels run (%s=1 forces it)",
+                       envs.FP8_PV, envs.GLUON)
     if choice is None or not gluon_available(setup.device) or not (want == "1" or choice.verified):
         return None
     return choice

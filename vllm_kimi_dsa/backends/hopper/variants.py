@@ -20,6 +20,7 @@ from vllm_kimi_dsa.planning import Config, few_heads_config
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
+    "seesaw-pv-fp8": ("3.6",),  # gluon_seesaw's P.V on e4m3 (VLLM_KIMI_DSA_FP8_PV=1): fp8, > 32 heads, every launch
     # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads every launch, 17..32 heads the plans of
     # NVFP4_SEESAW_MIN_ROWS rows or more
     "seesaw-nvfp4": ("3.6", "3.8"),
@@ -71,15 +72,20 @@ class GluonChoice:
     verified: bool = True
 
 
-def gluon_choice(fmt: str, heads: int, want: str) -> GluonChoice | None:
+def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> GluonChoice | None:
     """The Gluon kernels for (fmt, heads) under VLLM_KIMI_DSA_GLUON=`want` ("" unset, "1", "0"), before availability;
-    None where only the plain kernel runs (want "0")."""
+    None where only the plain kernel runs (want "0"). fp8_pv (VLLM_KIMI_DSA_FP8_PV): fp8 at > 32 heads, every
+    launch on the seesaw kernel's P.V-on-e4m3 form where it was verified (or want "1"), else the default kernels."""
     if want == "0":
         return None
     if heads > 32:
         if fmt != "fp8":  # nvfp4: every launch on the seesaw kernel (gluon_decode's has no nvfp4 form)
             nv = gluon_seesaw.nvfp4_seesaw_params()
             return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"))
+        if fp8_pv and (want == "1" or verified("seesaw-pv-fp8")):
+            # faster than the default pair at every batch measured, split tails included (docs/hopper-kernels.md)
+            pv = gluon_seesaw.SeesawParams(pv_fp8=True)
+            return GluonChoice(pv, gluon_seesaw.launch, pv.config(), verified=verified("seesaw-pv-fp8"))
         params = gluon_decode.GluonParams()
         seesaw = want == "1" or verified("seesaw")
         return GluonChoice(params, gluon_decode.launch, params.config(),
