@@ -25,16 +25,17 @@ OUT=${OUT:-/tmp/device_out}
 BUDGET=560
 T0=$(date +%s)
 
-if [ "${1:-}" = pack-t38 ]; then  # Triton 3.8's cp312 wheel less what a compile and launch do not use: ~56 MB xz
+if [ "${1:-}" = pack-t38 ]; then  # Triton 3.8's cp312 wheel less what a compile and launch do not use: ~52 MB xz
   DEST=${2:-.carry/t38}; W=$(mktemp -d)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$W/whl" triton==3.8.0 || exit 1
   mkdir -p "$W/site" "$DEST" && (cd "$W/site" && python3 -m zipfile -e "$W"/whl/triton-3.8.0-*.whl .)
   T=$W/site/triton
   rm -rf "$T/backends/nvidia/lib/cupti" "$T/backends/nvidia/lib/cupti-blackwell" \
-    "$T/backends/nvidia/bin/ptxas-blackwell" "$T/_C/libproton.so"
+    "$T/backends/nvidia/bin/ptxas-blackwell" "$T/_C/libproton.so" "$T/plugins" "$T/FileCheck" \
+    "$T/instrumentation/libGPUInstrumentationTestLib.so"
   chmod +x "$T"/backends/nvidia/bin/* && strip --strip-unneeded "$T/_C/libtriton.so"
-  tar -cf - -C "$W/site" . | xz -T0 -6 > "$DEST/t38.tar.xz" && rm -rf "$W" && ls -la "$DEST/t38.tar.xz"
+  tar -cf - -C "$W/site" . | xz -T0 -9e > "$DEST/t38.tar.xz" && rm -rf "$W" && ls -la "$DEST/t38.tar.xz"
   exit
 fi
 
