@@ -58,9 +58,8 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
-    # P.V on e4m3 wgmma (P rounded to e4m3)
-    "seesaw-pvfp8-tail": {"pv_fp8": True, "tail_split": True},
-    "seesaw-pvfp8-p40-tail": {"pv_fp8": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
+    # P.V on e4m3 wgmma (P rounded to e4m3), on pv_fp8_seesaw_params()' registers
+    "seesaw-pvfp8-tail": {"pv_fp8": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     # nvfp4_ds_mla rows (the gatherer converts them to e4m3 K stages): the shipped form, then one change at a time
     "seesaw-nvfp4-tail": {"nvfp4": True, "k_stages": 3, "tail_split": True},
     "seesaw-nvfp4-cvt16-tail": {"nvfp4": True, "k_stages": 3, "cvt_rows": 16, "tail_split": True},

@@ -24,7 +24,8 @@ from decode_checks import P_ERR, P_ERR_E4M3
 from test_gluon_decode import _case, _check, _poisoned, assert_agree
 from vllm_kimi_dsa.kernels.gluon_decode import gluon_sparse_mla_decode
 from vllm_kimi_dsa.formats import nvfp4_e4m3_values
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, nvfp4_seesaw_params, seesaw_sparse_mla_decode
+from vllm_kimi_dsa.kernels.gluon_seesaw import (SeesawParams, nvfp4_seesaw_params, pv_fp8_seesaw_params,
+                                               seesaw_sparse_mla_decode)
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.backends.hopper import dispatch as hopper_dispatch
 from vllm_kimi_dsa.backends import hopper
@@ -45,15 +46,25 @@ class Case:
     r_stages: int = 2
     cvt_rows: int = 8
     pv_fp8: bool = False  # P.V on e4m3 wgmma
+    consumer_regs: int = 216  # SeesawParams' defaults
+    producer_regs: int = 48
 
     def params(self) -> SeesawParams:
         return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, nvfp4=self.nvfp4,
-                            r_stages=self.r_stages, cvt_rows=self.cvt_rows, pv_fp8=self.pv_fp8)
+                            r_stages=self.r_stages, cvt_rows=self.cvt_rows, pv_fp8=self.pv_fp8,
+                            consumer_regs=self.consumer_regs, producer_regs=self.producer_regs)
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
     """An nvfp4_ds_mla case on nvfp4_seesaw_params()'s rings unless kw says otherwise."""
     return Case(rows, heads, width, **{"k_stages": 3, "nvfp4": True, **kw})
+
+
+def pv8_case(rows: int, heads: int, width: int, **kw) -> Case:
+    """A P.V-on-e4m3 case on pv_fp8_seesaw_params()'s register budget unless kw says otherwise."""
+    shipped = pv_fp8_seesaw_params()
+    return Case(rows, heads, width, **{"pv_fp8": True, "consumer_regs": shipped.consumer_regs,
+                                       "producer_regs": shipped.producer_regs, **kw})
 
 
 CASES = [
@@ -94,18 +105,19 @@ CASES = [
     nvfp4_case(7, 128, 2048, splits=1, r_stages=1),
     nvfp4_case(5, 64, 2048, splits=2, pv_in_flight=1),
     # P.V on e4m3 wgmma: held to P_ERR_E4M3 for P
-    Case(1, 128, 2048, splits=1, pv_fp8=True),
-    Case(2, 64, 128, splits=1, pv_fp8=True),
-    Case(5, 128, 2048, splits=3, pv_fp8=True),
-    Case(7, 96, 1024, pv_fp8=True, pv_in_flight=1),
-    Case(33, 128, 1024, splits=1, pv_fp8=True),
-    Case(320, 128, 2048, pv_fp8=True),
+    pv8_case(1, 128, 2048, splits=1),
+    pv8_case(2, 64, 128, splits=1),
+    pv8_case(5, 128, 2048, splits=3),
+    pv8_case(7, 96, 1024, pv_in_flight=1),
+    pv8_case(33, 128, 1024, splits=1),
+    pv8_case(320, 128, 2048),
+    pv8_case(9, 128, 2048, consumer_regs=216, producer_regs=48),  # the default partition budget
 ]
 
 
 def _case_id(c: Case) -> str:
     nv = f"-nvfp4-rs{c.r_stages}-cvt{c.cvt_rows}" if c.nvfp4 else ""
-    pv8 = "-pvfp8" if c.pv_fp8 else ""
+    pv8 = f"-pvfp8-c{c.consumer_regs}-p{c.producer_regs}" if c.pv_fp8 else ""
     return f"r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}-pv{c.pv_in_flight}{nv}{pv8}"
 
 
@@ -211,7 +223,7 @@ def test_fp8_pv_kernel_class_and_graph_replay(heads: int, monkeypatch: pytest.Mo
     setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=rows_list, capacities=(),
                         widths=(width,), return_lse=True, softmax_scale=ss, output_scale=os_)
     k = hopper.TritonDecode(setup)
-    assert k.gluon == SeesawParams(pv_fp8=True)
+    assert k.gluon == pv_fp8_seesaw_params()
     for rows in rows_list:
         out, lse = _poisoned(rows, heads)
         k(q[:rows], kv, slots[:rows], counts[:rows], out, lse, block_size=1, rows_per_block_stride=1)

@@ -19,7 +19,7 @@ from vllm_kimi_dsa.kernels.gluon_decode import GluonParams
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available
 from vllm_kimi_dsa.planning import gluon_config
 from vllm_kimi_dsa.kernels.gluon_few_heads import FewHeadsParams, nvfp4_params, reg_v_params
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams
+from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, pv_fp8_seesaw_params
 from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes
 from vllm_kimi_dsa.backends.hopper import TritonDecode
 from vllm_kimi_dsa.planning import choose_splits, default_config, plan_cost
@@ -252,7 +252,7 @@ def test_fp8_pv_opt_in_runs_every_launch_on_the_e4m3_form(heads: int, monkeypatc
     setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(320,), capacities=(), widths=(512, 2048),
                         return_lse=True, softmax_scale=0.04, output_scale=1.0)
     k = TritonDecode(setup)
-    assert k.gluon == SeesawParams(pv_fp8=True) and not k.gluon_large and k.config == gluon_config()
+    assert k.gluon == pv_fp8_seesaw_params() and not k.gluon_large and k.config == gluon_config()
     for (rows, width), pair in k.plan_params.items():
         assert pair == (k.gluon, k.gluon), (rows, width, pair)
         assert k._plans[rows, width] == planning.choose_plan(rows, heads, width, gluon_config(), 132)
@@ -265,7 +265,7 @@ def test_fp8_pv_opt_in_runs_every_launch_on_the_e4m3_form(heads: int, monkeypatc
     assert isinstance(k.gluon, GluonParams) and k.gluon_large == (SeesawParams(),)
     assert "VLLM_KIMI_DSA_FP8_PV" in caplog.text
     monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")  # ... unless forced
-    assert TritonDecode(setup).gluon == SeesawParams(pv_fp8=True)
+    assert TritonDecode(setup).gluon == pv_fp8_seesaw_params()
 
 
 def test_fp8_pv_switch_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:

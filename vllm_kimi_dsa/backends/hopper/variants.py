@@ -84,7 +84,7 @@ def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> Gluon
             return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"))
         if fp8_pv and (want == "1" or verified("seesaw-pv-fp8")):
             # faster than the default pair at every batch measured, split tails included (docs/hopper-kernels.md)
-            pv = gluon_seesaw.SeesawParams(pv_fp8=True)
+            pv = gluon_seesaw.pv_fp8_seesaw_params()
             return GluonChoice(pv, gluon_seesaw.launch, pv.config(), verified=verified("seesaw-pv-fp8"))
         params = gluon_decode.GluonParams()
         seesaw = want == "1" or verified("seesaw")
