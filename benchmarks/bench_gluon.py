@@ -31,7 +31,8 @@ from vllm_kimi_dsa.kernels.gluon_decode import GluonParams, gluon_sparse_mla_dec
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from vllm_kimi_dsa.planning import gluon_config  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_decode import launch as gluon_launch  # noqa: E402
-from vllm_kimi_dsa.kernels.gluon_seesaw import SeesawParams, seesaw_sparse_mla_decode  # noqa: E402
+from vllm_kimi_dsa.kernels.gluon_seesaw import (  # noqa: E402
+    SeesawParams, pv_fp8_seesaw_params, seesaw_sparse_mla_decode)
 from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode, source_reference_decode  # noqa: E402
@@ -58,8 +59,8 @@ SEESAW_VARIANTS: dict[str, dict] = {
     "seesaw-p40-tail": {"producer_regs": 40, "consumer_regs": 232, "tail_split": True},
     "seesaw-p56-tail": {"producer_regs": 56, "tail_split": True},
     "seesaw-ks3-tail": {"k_stages": 3, "tail_split": True},
-    # P.V on e4m3 wgmma (P rounded to e4m3), on pv_fp8_seesaw_params()' registers
-    "seesaw-pvfp8-tail": {"pv_fp8": True, "producer_regs": 40, "consumer_regs": 232, "tail_split": True},
+    # P.V on e4m3 wgmma (P rounded to e4m3): the shipped form
+    "seesaw-pvfp8-tail": {**dataclasses.asdict(pv_fp8_seesaw_params()), "tail_split": True},
     # nvfp4_ds_mla rows (the gatherer converts them to e4m3 K stages): the shipped form, then one change at a time
     "seesaw-nvfp4-tail": {"nvfp4": True, "k_stages": 3, "tail_split": True},
     "seesaw-nvfp4-cvt16-tail": {"nvfp4": True, "k_stages": 3, "cvt_rows": 16, "tail_split": True},

@@ -46,8 +46,8 @@ class Case:
     r_stages: int = 2
     cvt_rows: int = 8
     pv_fp8: bool = False  # P.V on e4m3 wgmma
-    consumer_regs: int = 216  # SeesawParams' defaults
-    producer_regs: int = 48
+    consumer_regs: int = SeesawParams.consumer_regs  # SeesawParams' defaults
+    producer_regs: int = SeesawParams.producer_regs
 
     def params(self) -> SeesawParams:
         return SeesawParams(k_stages=self.k_stages, pv_in_flight=self.pv_in_flight, nvfp4=self.nvfp4,
@@ -111,7 +111,8 @@ CASES = [
     pv8_case(7, 96, 1024, pv_in_flight=1),
     pv8_case(33, 128, 1024, splits=1),
     pv8_case(320, 128, 2048),
-    pv8_case(9, 128, 2048, consumer_regs=216, producer_regs=48),  # the default partition budget
+    pv8_case(9, 128, 2048, consumer_regs=SeesawParams.consumer_regs,  # the default partition budget
+             producer_regs=SeesawParams.producer_regs),
 ]
 
 

@@ -419,10 +419,9 @@ def nvfp4_seesaw_params() -> SeesawParams:
 
 
 def pv_fp8_seesaw_params() -> SeesawParams:
-    """P.V on e4m3 wgmma: consumers at 232 / 232 registers and the gatherer at 40. The e4m3 P.V operands free the
-    registers the 216-register consumer spilled (8 words reloaded a tile on Triton 3.8); the gatherer spills 10
-    words instead. H100, H = 128, 5 / 80 / 320 rows: 17.2 / 102.5 / 312.1 µs against 17.7 / 110.9 / 344.5 at 240 /
-    216 / 48 on Triton 3.8, level on 3.6 (16.6 / 104.7 / 304.3 against 17.0 / 104.0 / 304.6; docs/history.md v27)."""
+    """P.V on e4m3 wgmma: consumers at 232 / 232 registers and the gatherer at 40. The e4m3 P.V operands free
+    registers, and at the default 240 / 216 / 48 the second consumer reloads spilled registers every tile on Triton
+    3.8 (slower there, level on 3.6); here the gatherer spills a few words instead (docs/history.md v27)."""
     return SeesawParams(pv_fp8=True, consumer_regs=232, producer_regs=40)
 
 

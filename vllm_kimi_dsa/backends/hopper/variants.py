@@ -20,7 +20,8 @@ from vllm_kimi_dsa.planning import Config, few_heads_config
 VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "gluon64": ("3.6", "3.8"),  # gluon_decode: fp8, > 32 heads
     "seesaw": ("3.6", "3.8"),  # gluon_seesaw: fp8, > 32 heads, the launches seesaw_takes
-    "seesaw-pv-fp8": ("3.6", "3.8"),  # gluon_seesaw's P.V on e4m3 (VLLM_KIMI_DSA_FP8_PV=1): fp8, > 32 heads, every launch
+    # gluon_seesaw's P.V on e4m3 (VLLM_KIMI_DSA_FP8_PV=1): fp8, > 32 heads, every launch
+    "seesaw-pv-fp8": ("3.6", "3.8"),
     # gluon_seesaw's nvfp4 form (e4m3 K stages): nvfp4_ds_mla, > 32 heads every launch, 17..32 heads the plans of
     # NVFP4_SEESAW_MIN_ROWS rows or more
     "seesaw-nvfp4": ("3.6", "3.8"),
