@@ -342,6 +342,56 @@ def test_nvfp4_as_fp8_rounds_each_value_once_to_nearest_e4m3(seed):
     assert torch.equal(values[:, LATENT_DIM:], exact[:, LATENT_DIM:].float())
 
 
+def _row_with_scales(scale_bytes: dict[int, int], full: int, seed: int) -> torch.Tensor:
+    """One nvfp4_ds_mla row (1, 352) uint8 from its bytes: block `full` holds every e2m1 code (0..15: each magnitude,
+    both signs), the other blocks random codes; block b's scale byte is scale_bytes[b] (default 0x38, 1.0); random
+    RoPE bytes (finite e4m3)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (LATENT_DIM,), generator=g, dtype=torch.uint8)
+    codes[16 * full:16 * full + 16] = torch.arange(16, dtype=torch.uint8)
+    row = torch.zeros(NVFP4_ROW_BYTES, dtype=torch.uint8)
+    row[:NVFP4_ROPE_OFFSET] = codes[0::2] | (codes[1::2] << 4)
+    row[NVFP4_ROPE_OFFSET:NVFP4_SCALE_OFFSET] = torch.randint(0, 0x7F, (64,), generator=g, dtype=torch.uint8)
+    for block in range(32):
+        row[scale_byte(block)] = scale_bytes.get(block, 0x38)
+    return row.unsqueeze(0)
+
+
+# A row's shift (the least s with max |scale| x 2**-s <= 72, so 6 x scale x 2**-s <= 432 < 448), by its largest
+# scale's magnitude byte: each threshold byte (0x6A 80, 0x72 160, 0x7A 320) takes the next shift, the byte below it
+# (0x69 72, 0x71 144, 0x79 288) does not; 0x7E is e4m3's top, 448.
+SHIFT_AT_BYTE = {0x69: 0, 0x6A: 1, 0x71: 1, 0x72: 2, 0x79: 2, 0x7A: 3, 0x7E: 3}
+THRESHOLD_BYTES = (0x6A, 0x72, 0x7A)
+
+
+@pytest.mark.parametrize("magnitude", sorted(SHIFT_AT_BYTE), ids=hex)
+@pytest.mark.parametrize("sign", [0x00, 0x80], ids=["positive", "negative"])
+def test_nvfp4_row_shift_at_each_threshold_byte(magnitude, sign):
+    """Rows whose largest scale byte sits exactly at a row-shift threshold or one below it: the documented shift, for
+    either sign of the scale. On a threshold the scale (1.25 x 2**e) times each e2m1 magnitude has at most 3
+    significant bits, so every value of that block, 6 x scale = 480 / 960 / 1920 (past e4m3's 448) included, comes
+    back unchanged through the e4m3 form (a shift one short would saturate it at 448 x 2**s); one below, the values
+    round once (<= 2**-4 relative), never clip. At e4m3's top scale, 448 itself (e2m1 1.0) comes back unchanged."""
+    scale = _e4m3_finite_values()[magnitude].item()
+    want = SHIFT_AT_BYTE[magnitude]
+    assert want == max(0, math.ceil(math.log2(scale / 72)))  # the table states the rule
+    full = 5
+    row = _row_with_scales({full: magnitude | sign, 17: 0x38 | (sign ^ 0x80)}, full, seed=magnitude + sign)
+    assert nvfp4_row_shifts(row).tolist() == [want]
+    block = unpack_nvfp4(row)[0, 16 * full:16 * full + 16].double()
+    assert block.abs().max().item() == 6 * scale and (block < 0).sum() == 7 and (block > 0).sum() == 7
+    fp8 = nvfp4_as_fp8(row)[0, 16 * full:16 * full + 16].double()
+    got = nvfp4_e4m3_values(row)[0, 16 * full:16 * full + 16].double()
+    assert fp8.abs().max().item() <= 448 and torch.equal(got, fp8 * 2.0**want)
+    if magnitude in THRESHOLD_BYTES:
+        assert torch.equal(got, block), (got - block).abs().max()
+    else:
+        assert bool(((got - block).abs() <= 2.0**-4 * block.abs()).all())
+    if magnitude == 0x7E:
+        top = block.abs() == 448
+        assert int(top.sum()) == 2 and torch.equal(got[top], block[top])
+
+
 def test_nvfp4_leading_dims_and_dispatch():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, HEAD_DIM, generator=g, dtype=torch.bfloat16)
