@@ -169,6 +169,24 @@ def test_kernel_for_builtin_and_partial_tables(monkeypatch):
     assert kernel_for(2, 4, ks, 64, {"tp": "1-4:prims_ts"}) == "trtllm"
 
 
+# The built-in table's documented choices (FI_KERNEL: trtllm-gen for TP batches up to 32 rows, prims_ts above and
+# under DCP), on both sides of each boundary row count; past 4096 no entry names a kernel: prims_ts, the default.
+BUILTIN_CHOICES = {
+    1: [(1, "trtllm"), (32, "trtllm"), (33, "prims_ts"), (4096, "prims_ts"), (4097, "prims_ts")],  # TP
+    2: [(1, "prims_ts"), (32, "prims_ts"), (33, "prims_ts"), (4096, "prims_ts"), (4097, "prims_ts")],  # DCP 2
+}
+
+
+@pytest.mark.parametrize("dcp", sorted(BUILTIN_CHOICES), ids=["tp", "dcp"])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_kernel_for_builtin_table_at_each_boundary(dcp, heads):
+    """No table and no table file: kernel_for reads FI_KERNEL. Both FlashInfer kernels offered (as fi_kernels gives
+    them for fp8 on Blackwell) at head counts trtllm-gen takes, so the table alone decides."""
+    ks = ("prims_ts", "trtllm", "triton")
+    got = [(rows, kernel_for(rows, dcp, ks, heads=heads)) for rows, _ in BUILTIN_CHOICES[dcp]]
+    assert got == BUILTIN_CHOICES[dcp]
+
+
 @pytest.mark.parametrize(
     "args, exc, name",
     [
