@@ -173,6 +173,40 @@ def test_split_heuristic_fills_the_chip():
     assert ws.capacity == max((r - w) * s * 16 for r, (w, s) in enumerate(plans, 1) if s > 1)
 
 
+def _plan_configs() -> list[tuple[str, int, Config]]:
+    """(name, heads, Config) of every kernel's plan: the plain kernel's by (heads, format), the Gluon ones."""
+    from vllm_kimi_dsa.planning import few_heads_config, gluon_config
+
+    plain = [(f"plain-{fmt}-{h}", h, default_config(h, fmt)) for fmt in FORMATS for h in (128, 96, 64, 32, 16, 12)]
+    return plain + [("gluon-128", 128, gluon_config()), ("gluon-64", 64, gluon_config()),
+                    ("few-16", 16, few_heads_config()), ("few-12", 12, few_heads_config())]
+
+
+@pytest.mark.parametrize("name, heads, cfg", _plan_configs(), ids=[c[0] for c in _plan_configs()])
+def test_one_tile_a_split_when_every_split_fits_one_wave(name, heads, cfg):
+    """The documented choice (docs/hopper-kernels.md, Plans): the split count minimizes waves x (tiles a split + a
+    CTA's fixed cost + split_tiles). While splitting every row into one-tile pieces still fits one wave of the chip's
+    CTA slots, the fewest tiles a split (one) wins: every row splits into its tiles, one launch, even pieces. Widths
+    of 8 tiles and more (a split pays for its partial there at every config's split_tiles), rows up to that wave."""
+    from vllm_kimi_dsa.planning import choose_lead, split_range
+
+    checked = 0
+    for sms in (132, 114, 78):
+        slots_per_wave = sms * cfg.ctas_per_sm
+        for width in (8 * cfg.block_n, 1024, 2048):
+            tiles = -(-width // cfg.block_n)
+            head_blocks = -(-heads // cfg.block_h)
+            for rows in range(1, slots_per_wave // (head_blocks * tiles) + 1):
+                where = dict(rows=rows, width=width, sms=sms)
+                assert choose_splits(rows, heads, width, cfg, sms) == tiles, where
+                assert choose_plan(rows, heads, width, cfg, sms) == (0, tiles), where
+                assert choose_lead(rows, heads, width, cfg, sms) == 0, where
+                checked += 1
+            pieces = [split_range(width, s, tiles, 0, cfg.block_n) for s in range(tiles)]
+            assert pieces == [(s * cfg.block_n, (s + 1) * cfg.block_n) for s in range(tiles)]
+    assert checked >= 3  # K3.1's width fits a wave at 1 row on 132 SMs for every config
+
+
 def _gluon_like() -> Config:
     """The split heuristic's view of the 64-head Gluon kernel (planning.gluon_config), without importing Gluon."""
     return Config(block_h=64, block_n=64, num_warps=12, num_stages=1, ctas_per_sm=1, split_tiles=3.8)
