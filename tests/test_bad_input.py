@@ -173,6 +173,43 @@ def test_ids_past_the_cache_with_validate():
     _rejects(ValueError, "slots index past the cache", _decode(core, step, buffers, slots=slots, counts=counts), buffers)
 
 
+def _validating_case(seed: int):
+    """A validating fp8 core and a decode step's slots / counts from vLLM-like data: row 0 counts its whole prefix,
+    row 1 nothing, row 2 an odd count; -1 holes inside the counted prefixes; junk ids below -1 past each count."""
+    buffers = make_buffers(R, HEADS, WIDTH, DEVICE)
+    core = FlashInferCore(StandInImpl(), StandInLayer(), HEADS, buffers, {ROWS: "triton"}, validate=True)
+    step = make_step(ROWS, HEADS, WIDTH, "fp8", device=DEVICE, seed=seed)
+    num_rows = core.rows(step.cache, 64)[0].shape[0]
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, num_rows, (ROWS, WIDTH), generator=g, dtype=torch.int32)
+    counts = torch.tensor([WIDTH, 0, 37], dtype=torch.int32)
+    slots[0, [0, 5, WIDTH - 1]] = -1  # holes inside the counted prefix, its first and last entry included
+    slots[2, 36] = -1
+    slots[1, :] = -(2**31)  # past the count (0): never read, never checked
+    slots[2, 37:] = -5
+    return core, buffers, step, slots.to(DEVICE), counts.to(DEVICE)
+
+
+def test_validate_accepts_holes_inside_the_counted_prefix():
+    """A -1 inside the counted prefix is a hole (vLLM's converter leaves them; SPEC 4), not a bad id: the validating
+    core decodes it as the plain one does, the hole skipped (the reference's answer), poisoned buffers overwritten."""
+    from decode_checks import check_decode
+
+    core, buffers, step, slots, counts = _validating_case(seed=7)
+    out, lse = core.decode(step.query, step.cache, slots, counts, 64)
+    kv_rows, _ = core.rows(step.cache, 64)
+    check_decode(out, lse, step.query, kv_rows, slots, counts, "fp8", core.softmax_scale, core.output_scale,
+                 config=core.decode_kernel(ROWS).config)
+
+
+@pytest.mark.parametrize("bad", [-2, -(2**31)])
+def test_validate_rejects_ids_below_minus_one(bad):
+    """Below -1 is no hole and no row: inside the counted prefix the validating core refuses it, buffers untouched."""
+    core, buffers, step, slots, counts = _validating_case(seed=8)
+    slots[2, 20] = bad
+    _rejects(ValueError, "slots index", _decode(core, step, buffers, slots=slots, counts=counts), buffers)
+
+
 def test_counts_past_the_width_with_validate():
     buffers = make_buffers(R, HEADS, WIDTH, DEVICE)
     core = FlashInferCore(StandInImpl(), StandInLayer(), HEADS, buffers, {ROWS: "triton"}, validate=True)
