@@ -9,6 +9,8 @@ batches, a CUDA graph replayed bit-identically with no allocation.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import computed_operands, fp8_wgmma_dims
@@ -29,12 +31,12 @@ HEADS = (128, 96, 64, 32, 16, 12) if GPU else (16,)
 MAX_ROWS = 64 if GPU else 4
 
 
-def _vllm_inputs(rows: int, heads: int, fmt: str, seed: int, *, block_stride: int | None = 96):
+def _vllm_inputs(rows: int, heads: int, fmt: str, seed: int, *, block_stride: int | None = 96, width: int = WIDTH):
     """A step as vLLM hands it to the backend: flat rows compacted to a prefix in top-k order, counts.
 
     The cache holds quantized N(0, 1) rows (every 7th x8: large values, peaked softmax) and the query e4m3(1.5 z),
     the data decode_checks' bounds are stated for (make_step's random cache bytes span e4m3's whole range)."""
-    step = make_step(rows, heads, WIDTH, fmt, device=DEVICE, empty_rows=1, block_stride=block_stride, seed=seed)
+    step = make_step(rows, heads, width, fmt, device=DEVICE, empty_rows=1, block_stride=block_stride, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     blocks, block_size, _ = step.cache.shape
     x = torch.randn((blocks * block_size, HEAD_DIM), generator=g)
@@ -91,7 +93,55 @@ def test_prefill_sized_batch_runs_in_pieces(fmt: str) -> None:
     inputs = _vllm_inputs(rows, heads, fmt, seed=11)
     out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
     assert out.shape == (rows, heads, 512) and lse.shape == (rows, heads)
+    assert out.data_ptr() != step.buffers.latent.data_ptr()  # its own tensors: the shared ones hold max_rows
     _check(step, out, lse, inputs, rows)
+
+
+def test_a_batch_of_exactly_max_rows_decodes_into_the_shared_buffers() -> None:
+    """The largest planned batch (vLLM's largest captured size) takes the path every smaller batch takes: views of
+    the shared buffers (a graph captures it without allocating); only a larger batch allocates."""
+    heads = HEADS[-1]
+    step = _layer_step(heads, "fp8", return_lse=True)
+    inputs = _vllm_inputs(MAX_ROWS, heads, "fp8", seed=13)
+    step.buffers.latent.fill_(float("nan"))
+    step.buffers.lse.fill_(float("nan"))
+    out, lse = step(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
+    assert out.shape == (MAX_ROWS, heads, 512) and lse.shape == (MAX_ROWS, heads)
+    assert out.data_ptr() == step.buffers.latent.data_ptr() and lse.data_ptr() == step.buffers.lse.data_ptr()
+    _check(step, out, lse, inputs, MAX_ROWS)
+
+
+def _vllm_config(max_num_seqs: int, capture=(1, 2, 4), speculative: int | None = None, batched: int = 8192):
+    """The attributes of a VllmConfig planned_rows reads (tests/test_vllm_backend builds real ones)."""
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched),
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=None if capture is None else list(capture)),
+        speculative_config=None if speculative is None else SimpleNamespace(num_speculative_tokens=speculative),
+    )
+
+
+@pytest.mark.parametrize(
+    "config, want",
+    [
+        (_vllm_config(6), (6, (1, 2, 4, 6))),  # max_num_seqs past every capture size
+        (_vllm_config(4, speculative=0), (4, (1, 2, 4))),
+        # speculative decoding: a request's token and its drafts are rows of one step, max_num_seqs x (1 + n)
+        (_vllm_config(4, speculative=2), (12, (1, 2, 4, 12))),
+        (_vllm_config(8, capture=(1, 2, 4, 8), speculative=1), (16, (1, 2, 4, 8, 16))),
+        # capture sizes above max_num_seqs (vLLM's default list runs to 2 x max_num_seqs): the largest is planned
+        (_vllm_config(4, capture=(1, 2, 4, 8)), (8, (1, 2, 4, 8))),
+        (_vllm_config(4, capture=(8, 1, 16, 2)), (16, (1, 2, 8, 16))),
+        (_vllm_config(4, capture=(1, 2, 4, 8, 16, 24), speculative=3), (24, (1, 2, 4, 8, 16, 24))),
+        # never past max_num_batched_tokens (vLLM drops capture sizes past it too); no capture sizes (eager)
+        (_vllm_config(4, speculative=3, batched=10), (10, (1, 2, 4, 10))),
+        (_vllm_config(3, capture=None), (3, (3,))),
+        (_vllm_config(3, capture=()), (3, (3,))),
+    ],
+    ids=["max-num-seqs", "no-drafts", "two-drafts", "one-draft", "capture-8", "capture-16-unsorted",
+         "capture-24-three-drafts", "batched-tokens", "eager-none", "eager-empty"],
+)
+def test_planned_rows_take_speculative_tokens_and_every_capture_size(config, want) -> None:
+    assert serving.planned_rows(config) == want
 
 
 def test_without_dcp_no_lse_and_the_same_latent() -> None:
@@ -153,6 +203,38 @@ def test_shared_buffers_registry_is_keyed_by_shape() -> None:
     assert serving.shared_buffers(shape) is serving.shared_buffers(shape)
     other = StepShape(device=DEVICE, heads=12, width=WIDTH, fmt="fp8", max_rows=5, return_lse=False)
     assert serving.shared_buffers(other).latent.numel() == 5 * 12 * 512
+
+
+@pytest.mark.parametrize(
+    "change", [dict(width=2 * WIDTH), dict(heads=16), dict(max_rows=5), dict(return_lse=True)],
+    ids=["width", "heads", "max_rows", "return_lse"],
+)
+def test_shared_buffers_are_keyed_by_every_field_that_sizes_them(change) -> None:
+    """Two shapes differing in one field the buffers are made from get two sets, each of its own shape: a step of
+    another top-k width gets slots of that width (the core refuses slots of a width it never planned)."""
+    base = dict(device=DEVICE, heads=12, width=WIDTH, fmt="fp8", max_rows=3, return_lse=False)
+    one, two = StepShape(**base), StepShape(**{**base, **change})
+    first, second = serving.shared_buffers(one), serving.shared_buffers(two)
+    assert second is not first and second is serving.shared_buffers(two)
+    for shape, buffers in ((one, first), (two, second)):
+        assert buffers.slots.shape == (shape.max_rows, shape.width) and buffers.counts.shape == (shape.max_rows,)
+        assert buffers.latent.numel() == shape.max_rows * shape.heads * 512
+        assert (buffers.lse is not None) == shape.return_lse
+        assert buffers.lse is None or buffers.lse.numel() == shape.max_rows * shape.heads
+
+
+def test_a_step_of_another_width_decodes_into_buffers_of_that_width() -> None:
+    heads, rows, width = HEADS[-1], 2, 2 * WIDTH
+    narrow = _layer_step(heads, "fp8", return_lse=True)
+    shape = StepShape(device=DEVICE, heads=heads, width=width, fmt="fp8", max_rows=MAX_ROWS, return_lse=True)
+    wide = LayerStep(StandInImpl(kv_cache_dtype="fp8"), StandInLayer(), shape,
+                     kernels=dict.fromkeys(range(1, MAX_ROWS + 1), "triton"))
+    assert wide.buffers is not narrow.buffers and wide.buffers.slots.shape == (MAX_ROWS, width)
+    inputs = _vllm_inputs(rows, heads, "fp8", seed=31, width=width)
+    wide.buffers.latent.fill_(float("nan"))
+    out, lse = wide(inputs[0].query, inputs[0].cache, inputs[1], inputs[2], 64)
+    assert out.data_ptr() == wide.buffers.latent.data_ptr()
+    _check(wide, out, lse, inputs, rows)
 
 
 @pytest.mark.parametrize("bad", [dict(max_rows=0), dict(width=100), dict(fmt="bf16")])
