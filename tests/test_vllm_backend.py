@@ -236,8 +236,12 @@ def _reference_check(out, lse, layer, query, cache, topk, meta, *, dcp: int = 1,
         dcp_size=dcp, dcp_rank=rank, interleave=meta.cp_kv_cache_interleave_size,
     )
     core = layer.impl._step.core
-    assert core.softmax_scale == pytest.approx(layer.impl.scale * Q_SCALE * (K_SCALE if core.fmt == "fp8" else 1))
-    check_decode(out, lse, query, kv_rows, slots, counts, core.fmt, core.softmax_scale, core.output_scale)
+    # at the scales the layer holds now (the step must have been built, or rebuilt, at them): SPEC 2.1's folding
+    fp8 = core.fmt == "fp8"
+    softmax_scale = layer.impl.scale * layer._q_scale_float * (layer._k_scale_float if fp8 else 1.0)
+    output_scale = layer._k_scale_float if fp8 else 1.0
+    assert core.softmax_scale == pytest.approx(softmax_scale) and core.output_scale == pytest.approx(output_scale)
+    check_decode(out, lse, query, kv_rows, slots, counts, core.fmt, softmax_scale, output_scale)
     return counts
 
 
@@ -261,8 +265,12 @@ def _through_vllms_converter(layer, buffer, fmt: str, rows: int, seed: int, *, i
     out, lse = layer.impl._forward_mqa_kernel(query, cache, physical, counts, layer=layer, block_size=BLOCK,
                                               is_decode=is_decode)
     assert lse is None and out.shape == (rows, heads, 512)
+    step = layer.impl._step
+    # a batch a graph may capture (up to max_rows) is a view of the shared buffers; only larger ones allocate
+    assert (out.data_ptr() == step.buffers.latent.data_ptr()) == (rows <= step.shape.max_rows)
     ref_counts = _reference_check(out, lse, layer, query, cache, topk, meta)
     assert torch.equal(counts, ref_counts) and int(counts[0]) == 0  # row 0 of the case selects nothing
+    return out, (query, cache, physical, counts)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -280,6 +288,51 @@ def test_prefill_sized_batch_runs_in_pieces(tmp_path, fmt):
     layer.impl.process_weights_after_loading(torch.bfloat16)
     rows = 2 * layer.impl._step.shape.max_rows + 3
     _through_vllms_converter(layer, buffer, fmt, rows, seed=5, is_decode=False)
+
+
+@pytest.mark.parametrize(
+    "speculative, capture, max_rows",
+    [(2, (1, 2, 4), 12), (0, (1, 2, 4, 8), 8)],
+    ids=["two-draft-tokens", "capture-sizes-past-max-num-seqs"],
+)
+def test_step_plans_every_decode_batch_vllm_runs_or_captures(tmp_path, speculative, capture, max_rows):
+    """max_num_seqs 4. With 2 speculative tokens a decode step has 4 x (1 + 2) rows; capture sizes above
+    max_num_seqs (vLLM's default list runs to 2 x max_num_seqs) are batches vLLM captures. The step plans every one of
+    them (one kernel a row count, the prims_ts capacities), so a batch of the largest decodes into the shared buffers
+    as a captured batch must, not through the allocating path for larger batches."""
+    config = _config(tmp_path, capture_sizes=capture, speculative_tokens=speculative)
+    assert config.scheduler_config.max_num_seqs == 4
+    layer, buffer = _layer(config, heads=16, rows=max_rows)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    step = layer.impl._step
+    assert step.shape.max_rows == max_rows and step.shape.capacities == tuple(sorted({*capture, max_rows}))
+    assert sorted(step.kernels) == list(range(1, max_rows + 1))
+    _through_vllms_converter(layer, buffer, "fp8", max_rows, seed=29, is_decode=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_new_layer_scales_rebuild_the_step_and_the_answer_follows_them(tmp_path, fmt):
+    """vLLM's calculate_kv_scales sets the layer's q / k scales in a forward after the step was built (eager, so
+    outside capture): the next call builds the step again at the new scales, on the same shared buffers, and answers
+    as the reference does at them; calls at unchanged scales keep the step they have."""
+    from vllm_kimi_dsa.reference import reference_decode
+
+    layer, buffer = _layer(_config(tmp_path, kv_cache_dtype=fmt), heads=16, rows=4)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    built = layer.impl._step
+    _through_vllms_converter(layer, buffer, fmt, 3, seed=23, is_decode=True)
+    assert layer.impl._step is built
+    layer._q_scale_float, layer._k_scale_float = 3 * Q_SCALE, K_SCALE / 2
+    out, (query, cache, slots, counts) = _through_vllms_converter(layer, buffer, fmt, 3, seed=24, is_decode=True)
+    step = layer.impl._step
+    assert step is not built and step.buffers is built.buffers
+    # the check above tells the scales apart: the answer at the old ones is far off
+    kv_rows, _ = flat_kv_row_view(cache, BLOCK)
+    old, _ = reference_decode(query, kv_rows, slots, counts, fmt=fmt, softmax_scale=built.core.softmax_scale,
+                              output_scale=built.core.output_scale)
+    assert (out.float() - old).abs().max().item() > 0.1 * old.abs().max().item()
+    _through_vllms_converter(layer, buffer, fmt, 2, seed=25, is_decode=True)
+    assert layer.impl._step is step
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -55,11 +55,15 @@ def vllm_config(
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,
     capture_sizes: tuple[int, ...] = (1, 2, 4),
+    speculative_tokens: int = 0,
 ) -> Any:
-    """A real VllmConfig of the model written to `directory` (the device left as vLLM infers it on a CPU)."""
+    """A real VllmConfig of the model written to `directory` (the device left as vLLM infers it on a CPU).
+
+    speculative_tokens: > 0 adds vLLM's n-gram speculative decoding with that many draft tokens (no draft model).
+    """
     from vllm.config import (
         AttentionConfig, CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, ParallelConfig,
-        SchedulerConfig, VllmConfig,
+        SchedulerConfig, SpeculativeConfig, VllmConfig,
     )
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -77,6 +81,9 @@ def vllm_config(
         compilation_config=CompilationConfig(cudagraph_capture_sizes=list(capture_sizes)),
         attention_config=AttentionConfig(backend=backend),
         device_config=DeviceConfig(device="cpu"),
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=speculative_tokens, prompt_lookup_min=1, prompt_lookup_max=3
+        ) if speculative_tokens else None,
     )
 
 
