@@ -68,6 +68,9 @@ CASES = [
     Case(33, 128, 1024, splits=1),
     Case(320, 128, 2048),
     Case(320, 128, 2048, splits=1),
+    # issue 42: 33..63 heads in one 64-head block (the split tail after whole rows runs here at those counts)
+    Case(7, 48, 2048, splits=3),
+    Case(19, 33, 1024, splits=2),
     # K and V16 rings, 32-token tiles
     Case(7, 128, 2048, splits=1, k_stages=3, v_slots=2),
     Case(7, 128, 2048, splits=1, v_slots=2),

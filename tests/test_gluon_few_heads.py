@@ -47,19 +47,20 @@ class Case:
     pv_in_flight: int = 4
     ctas_per_sm: int = 1
     pv_early: bool = False
+    block_h: int = 16  # heads a CTA (8: the 8-head blocks of 1..8 heads, fp8)
 
     def params(self) -> FewHeadsParams:
         # two CTAs an SM leave the gatherer 56 registers (the consumer 200)
         return FewHeadsParams(k_stages=self.k_stages, cvt_rows=self.cvt_rows,
                               nvfp4=self.nvfp4, reg_v=self.reg_v,
                               pv_in_flight=self.pv_in_flight, ctas_per_sm=self.ctas_per_sm, pv_early=self.pv_early,
-                              producer_regs=56 if self.ctas_per_sm == 2 else 96)
+                              producer_regs=56 if self.ctas_per_sm == 2 else 96, block_h=self.block_h)
 
 
 def _case_id(c: Case) -> str:
     regv = f"-regv-pv{c.pv_in_flight}-cta{c.ctas_per_sm}{'-early' if c.pv_early else ''}" if c.reg_v else ""
     return (f"{'nvfp4' if c.nvfp4 else 'fp8'}-r{c.rows}-h{c.heads}-k{c.width}-s{c.splits}-ks{c.k_stages}"
-            f"-cvt{c.cvt_rows}{regv}")
+            f"-cvt{c.cvt_rows}{regv}" + (f"-bh{c.block_h}" if c.block_h != 16 else ""))
 
 
 def nvfp4_case(rows: int, heads: int, width: int, **kw) -> Case:
@@ -87,6 +88,17 @@ CASES = [
                             (320, 12, 2048, 1, True), (5, 32, 2048, 1, True), (33, 20, 128, None, True),
                             (7, 16, 1024, None, False), (320, 12, 2048, 1, False))),
     Case(19, 12, 2048, splits=2, reg_v=True, k_stages=3, pv_early=True),
+    # issue 42's head counts: 1..8 heads in one 16-head block (the verified form) and in 8-head blocks (block_h 8,
+    # one and two CTAs an SM), 24 heads as two 16-head blocks (the second half padded); odd batches, 1 / several
+    # splits, a tail-split-sized batch
+    *(Case(r, h, w, splits=s, reg_v=True, k_stages=3, block_h=b)
+      for b in (16, 8) for r, h, w, s in ((7, 1, 2048, None), (5, 2, 1024, 3), (33, 4, 128, 1), (19, 6, 2048, 2),
+                                          (320, 8, 2048, None), (1, 8, 2048, 1))),
+    *(Case(r, h, w, splits=s, reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, pv_early=True, block_h=8)
+      for r, h, w, s in ((7, 1, 2048, None), (5, 4, 1024, 3), (19, 6, 2048, 2), (320, 8, 2048, None),
+                         (1, 8, 2048, 1))),
+    Case(320, 24, 2048, reg_v=True, k_stages=3),
+    Case(7, 24, 1024, splits=2, reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, pv_early=True),
 ]
 
 # nvfp4_ds_mla (through e4m3): held to the fp8 tolerance against formats.nvfp4_as_fp8 of the cache
@@ -103,14 +115,18 @@ NVFP4_CASES = [
     nvfp4_case(7, 16, 2048, splits=1, k_stages=2),
     nvfp4_case(5, 32, 2048, splits=1),
     nvfp4_case(19, 20, 1024, splits=2),
+    # issue 42's head counts (one 16-head block; 24: two, the second half padded)
+    *(nvfp4_case(r, h, w, splits=s) for r, h, w, s in ((7, 1, 2048, None), (5, 2, 1024, 3), (33, 4, 128, 1),
+                                                       (19, 6, 2048, 2), (320, 8, 2048, None), (7, 24, 1024, 2))),
 ]
 
 
-def _params(fmt: str, reg_v: int = 1) -> FewHeadsParams:
-    """The params of a format: nvfp4_params(), or (fp8) reg_v at one CTA an SM (reg_v 1: K ring 3) or two (2)."""
+def _params(fmt: str, reg_v: int = 1, block_h: int = 16) -> FewHeadsParams:
+    """The params of a format: nvfp4_params(), or (fp8) reg_v at one CTA an SM (reg_v 1: K ring 3) or two (2), with
+    block_h heads a CTA."""
     if fmt == "nvfp4_ds_mla":
         return nvfp4_params()
-    return reg_v_params(int(reg_v))
+    return reg_v_params(int(reg_v), block_h=block_h)
 
 
 def _check(out, lse, q, kv, slots, counts, ss, os_, fmt: str = "fp8") -> None:
@@ -200,19 +216,21 @@ def test_agrees_with_triton_kernel(fmt: str) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("fmt,splits,heads,reg_v", [
-    pytest.param(f, s, h, r, id=f"{f}-s{s}-h{h}{f'-regv{int(r)}' if r else ''}")
-    for f, s, h, r in (("nvfp4_ds_mla", 3, 12, False), ("nvfp4_ds_mla", 1, 24, False),
-                       ("fp8", 1, 12, True), ("fp8", 4, 12, True),
-                       ("fp8", 2, 24, True), ("fp8", 4, 12, 2), ("fp8", 2, 24, 2))])
-def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int) -> None:
+@pytest.mark.parametrize("fmt,splits,heads,reg_v,block_h", [
+    pytest.param(f, s, h, r, b, id=f"{f}-s{s}-h{h}{f'-regv{int(r)}' if r else ''}{f'-bh{b}' if b != 16 else ''}")
+    for f, s, h, r, b in (("nvfp4_ds_mla", 3, 12, False, 16), ("nvfp4_ds_mla", 1, 24, False, 16),
+                          ("fp8", 1, 12, True, 16), ("fp8", 4, 12, True, 16),
+                          ("fp8", 2, 24, True, 16), ("fp8", 4, 12, 2, 16), ("fp8", 2, 24, 2, 16),
+                          ("nvfp4_ds_mla", 2, 6, False, 16), ("fp8", 3, 8, True, 8), ("fp8", 2, 1, 2, 8),
+                          ("fp8", 1, 4, 2, 8), ("fp8", 2, 6, True, 16))])
+def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int, block_h: int) -> None:
     """Capture once (workspace made before capture), replay on new inputs copied into the captured buffers."""
     rows, width = 7, 1024
     q, kv, slots, counts, ss, os_ = _case(rows, heads, width, seed=21, fmt=fmt)
+    params = _params(fmt, reg_v, block_h)
     ws = kcommon.make_workspace(DEVICE, heads=heads, max_rows=rows, widths=(width,), fmt=fmt,
-                                      config=few_heads_config())
+                                      config=params.config(heads))
     out, lse = _poisoned(rows, heads)
-    params = _params(fmt, reg_v)
 
     def call() -> None:
         few_heads_sparse_mla_decode(q, kv, slots, counts, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
@@ -223,15 +241,18 @@ def test_cuda_graph_replay(fmt: str, splits: int, heads: int, reg_v: bool | int)
 
 
 @GPU
-@pytest.mark.parametrize("fmt,heads,rows,reg_v", [("nvfp4_ds_mla", 12, 320, False), ("nvfp4_ds_mla", 32, 160, False),
-                                                  ("fp8", 12, 320, True),
-                                                  ("fp8", 12, 320, 2), ("fp8", 32, 160, 2)])
-def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool | int) -> None:
+@pytest.mark.parametrize("fmt,heads,rows,reg_v,block_h", [
+    pytest.param(f, h, r, v, b, id=f"{f}-h{h}-r{r}-regv{int(v)}-bh{b}")
+    for f, h, r, v, b in (("nvfp4_ds_mla", 12, 320, False, 16), ("nvfp4_ds_mla", 32, 160, False, 16),
+                          ("fp8", 12, 320, True, 16), ("fp8", 12, 320, 2, 16), ("fp8", 32, 160, 2, 16),
+                          ("fp8", 8, 320, True, 8), ("fp8", 6, 300, 2, 8), ("fp8", 24, 160, 2, 16),
+                          ("nvfp4_ds_mla", 4, 320, False, 16))])
+def test_tail_split_plan(fmt: str, heads: int, rows: int, reg_v: bool | int, block_h: int) -> None:
     """A tail-split plan (choose_plan with tail_split): the rows of full waves unsplit, the rest split and combined,
     as two launches on row slices; count-0 rows at the seam."""
     from vllm_kimi_dsa.kernels import gluon_few_heads
 
-    params = _params(fmt, reg_v)
+    params = _params(fmt, reg_v, block_h)
     _check(*run_tail_split_plan(lambda *a: gluon_few_heads.launch(*a, params), params.config(heads), rows, heads,
                                 seed=7 + rows, fmt=fmt), fmt=fmt)
 
@@ -251,7 +272,7 @@ def test_cases_are_valid_params(case: Case) -> None:
 
 
 @GPU
-@pytest.mark.parametrize("heads", [12, 32])
+@pytest.mark.parametrize("heads", [12, 32, 6, 24])
 def test_kernel_class_runs_reg_v(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """TritonDecode (fp8, few heads): every batch on reg_v (where verified), one or two CTAs an SM by plan cost; all
     match the reference, one workspace for all."""
@@ -272,6 +293,33 @@ def test_kernel_class_runs_reg_v(heads: int, monkeypatch: pytest.MonkeyPatch) ->
     for rows in (5, 18, 81):
         q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=3 + rows)
         counts[1] = 0
+        out, lse = _poisoned(rows, heads)
+        k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+        torch.cuda.synchronize()
+        _check(out, lse, q, kv, slots, counts, 0.04, 0.37)
+
+
+@GPU
+@pytest.mark.parametrize("heads", [1, 4, 8])
+def test_kernel_class_runs_8_head_blocks(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonDecode (fp8, 1..8 heads) with the 8-head variant asked for (VLLM_KIMI_DSA_GLUON=1, as where
+    "few-fp8-h8" is verified): every batch on reg_v with block_h 8, one or two CTAs an SM, its plans on 8-head
+    blocks; all match the reference on NaN-poisoned outputs with count-0 rows."""
+    from vllm_kimi_dsa.backends.hopper import TritonDecode, variants
+    from vllm_kimi_dsa.kernels.base import DecodeSetup
+
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "1")
+    width = 2048
+    setup = DecodeSetup(device=DEVICE, fmt="fp8", heads=heads, row_counts=(1, 5, 33, 200), capacities=(),
+                        widths=(width,), return_lse=True, softmax_scale=0.04, output_scale=0.37)
+    k = TritonDecode(setup)
+    assert variants.hopper_kernel("fp8", heads, "1") == "few-fp8-h8"
+    assert k.config.block_h == 8 and all(p.block_h == 8 for p in k.gluon_large)
+    assert all(k.plan_params[rows, width][0].block_h == 8 for rows in (1, 5, 33, 200))
+    for rows in (1, 5, 33, 200):
+        q, kv, slots, counts, _, _ = _case(rows, heads, width, seed=7 + rows + heads)
+        if rows > 2:
+            counts[rows // 2] = 0
         out, lse = _poisoned(rows, heads)
         k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
         torch.cuda.synchronize()

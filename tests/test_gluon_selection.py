@@ -397,7 +397,7 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
 
 def test_verified_variants() -> None:
     """The Triton versions each Gluon variant passed its GPU tests on (the nvfp4 forms' current code on the H100);
-    no other version is listed."""
+    no other version is listed. The 8-head few-heads blocks (issue 42) are not GPU-tested yet: none."""
     assert variants.VERIFIED_TRITON == dict.fromkeys(
         ("gluon64", "seesaw", "seesaw-pv-fp8", "seesaw-nvfp4", "few-fp8", "few-fp8-multi", "few-nvfp4",
-         "few-nvfp4-multi", "pv_early"), ("3.6", "3.8"))
+         "few-nvfp4-multi", "pv_early"), ("3.6", "3.8")) | {"few-fp8-h8": ()}

@@ -69,11 +69,15 @@ _NEEDS_GLUON = pytest.mark.skipif(glcommon.gl is None or not glcommon.triton_ver
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                         "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True},
                                        {"kernel": "seesaw"}, {"kernel": "seesaw", "pv_in_flight": 1, "k_stages": 3},
-                                       {"kernel": "seesaw", "nvfp4": True, "k_stages": 3}],
+                                       {"kernel": "seesaw", "nvfp4": True, "k_stages": 3},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 3, "block_h": 8, "heads": 8},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True, "block_h": 8,
+                                        "heads": 8}],
                          ids=["default", "block_n_32", "few_heads_nvfp4", "few_heads_nvfp4_32", "few_heads_32",
                               "few_heads_reg_v",
                               "few_heads_reg_v_two_ctas", "few_heads_reg_v_two_ctas_pv_early", "seesaw",
-                              "seesaw_pv1_ks3", "seesaw_nvfp4"])
+                              "seesaw_pv1_ks3", "seesaw_nvfp4", "few_heads_8", "few_heads_8_two_ctas"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel (64- and 32-token tiles); the few-heads kernel (reg_v at one and two CTAs an SM, nvfp4);
     the seesaw kernel. In a process of its own too: Triton's own `tl`

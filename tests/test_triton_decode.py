@@ -76,6 +76,19 @@ def test_tiny(fmt, rows, heads, width):
     _run_functional(rows, heads, width, fmt, seed=rows * 1000 + heads)
 
 
+# Head counts a rank gets beside K3.1's (issue 42): TP8 of a 64-head model (8), TP16 (4, 6), K3 at TP2 / TP4 (48, 24),
+# and 1 / 2; each runs in the block its config pads it to, the padded heads masked at load and store
+NEW_HEADS = (1, 2, 4, 6, 8, 24, 48)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", NEW_HEADS)
+def test_tiny_every_head_count(fmt, heads):
+    """3 rows (an odd batch: a full row, a count-0 row, a count-1 row, holes, junk past counts), outputs poisoned with
+    NaN: the padded heads of the 16- / 32- / 64-head block neither leak into the real ones nor are written."""
+    _run_functional(3, heads, 128, fmt, seed=heads * 31 + len(fmt))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiny_splits_and_128_heads(fmt):
     # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.
@@ -306,10 +319,43 @@ gpu = pytest.mark.skipif(not GPU, reason="the full sweep needs a CUDA GPU (the i
 
 @gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads", [128, 96, 64, 32, 16, 12])
+@pytest.mark.parametrize("heads", [128, 96, 64, 32, 16, 12, *NEW_HEADS], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("rows,width", [(1, 2048), (5, 2048), (7, 128), (33, 1024), (320, 2048)])
 def test_gpu_sweep(fmt, heads, rows, width):
     _run_functional(rows, heads, width, fmt, seed=rows * 7 + heads * 13 + width)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", NEW_HEADS, ids=lambda h: f"h{h}")
+def test_gpu_every_head_count_through_the_kernel_class(fmt, heads):
+    """TritonDecode as the core binds it (on Hopper the Gluon kernel variants.hopper_kernel names for the count) at
+    odd batches (1, 7, 33 rows) and 160: holes, count-0 rows, NaN-poisoned outputs, against the reference; then a
+    CUDA graph of the same calls replayed on the poisoned buffers equals the eager answers bit for bit."""
+    width, row_counts = 2048, (1, 7, 33, 160)
+    setup = DecodeSetup(device=DEVICE, fmt=fmt, heads=heads, row_counts=row_counts, capacities=(), widths=(width,),
+                        return_lse=True, softmax_scale=1.0 / math.sqrt(576.0) * 0.7, output_scale=0.37)
+    k = TritonDecode(setup)
+    cases, eager = {}, {}
+    for rows in row_counts:
+        q, kv, slots, counts, ss, os_ = _case(rows, heads, width, fmt, seed=heads * 100 + rows)
+        out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.full((rows, heads), float("nan"), device=DEVICE)
+        k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+        torch.cuda.synchronize()
+        _check_as_computed(k, out, lse, q, kv, slots, counts, fmt, ss, os_)
+        cases[rows] = (q, kv, slots, counts, out, lse)
+        eager[rows] = (out.clone(), lse.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for q, kv, slots, counts, out, lse in cases.values():
+            k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
+    for *_, out, lse in cases.values():
+        out.fill_(float("nan")), lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for rows, (*_, out, lse) in cases.items():
+        assert torch.equal(out, eager[rows][0]) and torch.equal(lse, eager[rows][1]), f"rows={rows}: replay != eager"
 
 
 @gpu

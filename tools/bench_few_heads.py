@@ -45,6 +45,9 @@ OSCALE = 0.125
 # name -> the few-heads kernel's params (the names of earlier runs' JSON, which fit_plan_cost reads by default)
 VARIANTS = {"few-tail-regv": lambda: fh.reg_v_params(),  # one CTA an SM
             "few-tail-regv-2cta-early": lambda: fh.reg_v_params(2),  # two CTAs an SM
+            # 8-head blocks (1..8 heads: no padding to 16), one and two CTAs an SM
+            "few-tail-regv-h8": lambda: fh.reg_v_params(block_h=8),
+            "few-tail-regv-h8-2cta-early": lambda: fh.reg_v_params(2, block_h=8),
             # nvfp4_params: the e4m3 form
             "few-tail-nvfp4": lambda: fh.nvfp4_params(),
             # the seesaw kernel's nvfp4 form (one 64-head block, heads past H masked) on <= 32 heads: the

@@ -20,7 +20,7 @@ class DecodeSetup:
 
     device: the CUDA (or CPU, for the interpreter) device of every tensor.
     fmt: "fp8" (576 e4m3 bytes a row) or "nvfp4_ds_mla" (352 uint8 a row).
-    heads: query heads H of every call (in {128, 96, 64, 32, 16, 12}).
+    heads: query heads H of every call (1..128, heads.MAX_HEADS).
     row_counts: every batch size (rows) the core will run, sorted.
     capacities: prims_ts plan capacities, sorted (empty: plan each row count).
     widths: every top-k width K a call may see, sorted, multiples of 128.

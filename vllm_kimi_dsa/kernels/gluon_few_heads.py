@@ -1,10 +1,12 @@
-"""The few-heads warp-specialized Gluon decode for Hopper (sm_90a), <= 32 heads in 16-head blocks: kernel, params,
-launch.
+"""The few-heads warp-specialized Gluon decode for Hopper (sm_90a), <= 32 heads in 16- or 8-head blocks: kernel,
+params, launch.
 
-Tokens and latent dims on the wgmma's M, heads on its N = 16 (the transposed form). fp8 rows (reg_v): one gatherer
-warpgroup fills a K ring; the consumer loads P.V's latent from the K stage straight into registers, at one or two
-CTAs an SM. nvfp4_ds_mla rows: a gatherer moves them into a packed ring and a converter warpgroup writes each tile
-as e4m3 into an fp8 K ring (formats.nvfp4_as_fp8), so the same consumer runs at one CTA an SM. Same grid, runtime arguments, split scratch and combine as the plain kernel.
+Tokens and latent dims on the wgmma's M, heads on its N = 16 or 8 (the transposed form). fp8 rows (reg_v): one
+gatherer warpgroup fills a K ring; the consumer loads P.V's latent from the K stage straight into registers, at one
+or two CTAs an SM. nvfp4_ds_mla rows: a gatherer moves them into a packed ring and a converter warpgroup writes each
+tile as e4m3 into an fp8 K ring (formats.nvfp4_as_fp8), so the same consumer runs at one CTA an SM. Heads past H in a
+block are zero queries, masked at the store (no copy of the query). Same grid, runtime arguments, split scratch and
+combine as the plain kernel.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from vllm_kimi_dsa.planning.configs import few_heads_params_config
 # 17..32 heads run as 16-head blocks (MULTI_HB), each CTA gathering the rows again (from L2 when its sibling
 # runs beside it); a 32-head consumer would spill
 MAX_HEADS = 2 * BLOCK_H
+# the wgmma N a consumer may take: 16 (12..16 heads pad to it) or 8 (1..8 heads: half the consumer's MMA and softmax
+# work of a 16-head block); Triton shapes are powers of two
+BLOCK_HS = (8, 16)
 # Hopper's per-SM budgets (sm_90): shared memory a CTA may take in all (228 KB less 1 KB a CTA), 32-bit registers
 SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
@@ -326,7 +331,7 @@ if gl is not None:
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
-        BH: gl.constexpr,  # heads a CTA, the wgmma N (BLOCK_H; padded heads are zero queries, masked at the store)
+        BH: gl.constexpr,  # heads a CTA, the wgmma N (8 or 16; padded heads are zero queries, masked at the store)
         K_STAGES: gl.constexpr,
         CVT_ROWS: gl.constexpr,  # nvfp4: rows the converter decodes a step
         PRODUCER_REGS: gl.constexpr,  # reg_v: setmaxnreg of the gatherer
@@ -382,9 +387,9 @@ if gl is not None:
 
 @dataclass(frozen=True)
 class FewHeadsParams:
-    """Compile-time shape of the few-heads Gluon kernel (16 heads a CTA: at 32 the consumer spills, gluon_report):
-    fp8 rows with P.V's latent through registers (reg_v), or nvfp4_ds_mla rows (nvfp4) converted to e4m3 for the
-    same consumer."""
+    """Compile-time shape of the few-heads Gluon kernel (16 or 8 heads a consumer: at 32 the consumer spills,
+    gluon_report): fp8 rows with P.V's latent through registers (reg_v), or nvfp4_ds_mla rows (nvfp4) converted to
+    e4m3 for the same consumer."""
 
     k_stages: int = 3  # K ring depth (the gathers in flight)
     cvt_rows: int = DEFAULT_CVT_ROWS  # nvfp4: rows the converter decodes a step
@@ -403,10 +408,14 @@ class FewHeadsParams:
     # reg_v: issue P.V of tile it - 1 (and free its stage) before waiting for tile it to land, not after
     pv_early: bool = False
     converter_regs: int = 136  # nvfp4: setmaxnreg of the converter (at 128 it spills 8 B)
+    # heads a CTA, the wgmma N (BLOCK_HS): 16, or (fp8, reg_v) 8 for 1..8 heads, not padded to 16
+    block_h: int = BLOCK_H
 
     def __post_init__(self) -> None:
         if self.reg_v == self.nvfp4:
             raise ValueError("exactly one of reg_v (fp8 rows) and nvfp4 (nvfp4_ds_mla rows) must be set")
+        if self.block_h not in BLOCK_HS or (self.block_h != BLOCK_H and not self.reg_v):
+            raise ValueError(f"block_h must be one of {BLOCK_HS} (8: fp8 rows, reg_v), got {self.block_h}")
         if self.converter_regs % 8 or not 56 <= self.converter_regs <= 256:
             raise ValueError(f"converter_regs must be a multiple of 8 in [56, 256], got {self.converter_regs}")
         if self.cvt_rows not in (8, 16, 32):
@@ -433,12 +442,14 @@ class FewHeadsParams:
         if self.nvfp4:  # + 256 packed and 32 scale bytes a row
             stage += BLOCK_N * (NVFP4_ROW_BYTES - ROPE_DIM)
             scales = e4m3_scale_bytes(BLOCK_N, self.k_stages)
-        return BLOCK_H * HEAD_DIM + self.k_stages * stage + scales + BLOCK_H * BLOCK_N * 2 + 2048
+        bh = self.block_h
+        return bh * HEAD_DIM + self.k_stages * stage + scales + bh * BLOCK_N * 2 + 2048
 
-    def config(self, heads: int = BLOCK_H) -> Config:
-        """The triton_decode.Config the split heuristic and the workspace see (16-head blocks, ctas_per_sm; at two
-        CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed)."""
-        return few_heads_params_config(heads, self.reg_v, self.ctas_per_sm)
+    def config(self, heads: int | None = None) -> Config:
+        """The triton_decode.Config the split heuristic and the workspace see (block_h-head blocks, ctas_per_sm; at
+        two CTAs an SM the tile cost of this head count's blocks; reg_v: uneven one-launch plans allowed). heads: the
+        layer's (default: one block's)."""
+        return few_heads_params_config(heads or self.block_h, self.reg_v, self.ctas_per_sm, self.block_h)
 
     def launch_options(self) -> dict[str, Any]:
         """Compile options beside the constexprs: two CTAs an SM get half the register file each (reg_v: 8 warps)."""
@@ -450,27 +461,29 @@ def nvfp4_params() -> FewHeadsParams:
     return FewHeadsParams(k_stages=3, nvfp4=True, reg_v=False, producer_regs=96, converter_regs=136)
 
 
-def reg_v_params(ctas_per_sm: int = 1) -> FewHeadsParams:
+def reg_v_params(ctas_per_sm: int = 1, block_h: int = BLOCK_H) -> FewHeadsParams:
     """fp8 with P.V's latent through registers: one CTA an SM (K ring 3), or two CTAs an SM (K ring 2 each, two P.V
-    chunks in flight, the gatherer 56 registers and the consumer 200, P.V issued before the wait for the next tile)."""
+    chunks in flight, the gatherer 56 registers and the consumer 200, P.V issued before the wait for the next tile).
+    block_h: heads a consumer (8: 1..8 heads without padding to 16)."""
     if ctas_per_sm == 2:
-        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56, pv_early=True)
-    return FewHeadsParams(reg_v=True, k_stages=3)
+        return FewHeadsParams(reg_v=True, k_stages=2, pv_in_flight=2, ctas_per_sm=2, producer_regs=56, pv_early=True,
+                              block_h=block_h)
+    return FewHeadsParams(reg_v=True, k_stages=3, block_h=block_h)
 
 
 def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str, Any]:
-    """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above 16 heads)."""
-    return dict(MULTI_HB=heads > BLOCK_H, BH=BLOCK_H, K_STAGES=params.k_stages,
+    """few_heads_kernel's compile-time arguments for these params and head count (MULTI_HB above one block)."""
+    return dict(MULTI_HB=heads > params.block_h, BH=params.block_h, K_STAGES=params.k_stages,
                 CVT_ROWS=params.cvt_rows, PRODUCER_REGS=params.producer_regs, NVFP4=params.nvfp4,
                 PV_IN_FLIGHT=params.pv_in_flight, PV_EARLY=params.pv_early, CVT_REGS=params.converter_regs)
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
            ws: Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0) -> Any:
-    """The main kernel (16-head blocks) and the combine when splits > 1: inputs already checked, no allocation,
-    no sync."""
+    """The main kernel (params.block_h-head blocks) and the combine when splits > 1: inputs already checked, no
+    allocation, no sync."""
     heads = query.shape[1]
-    return launch_kernel(few_heads_kernel, -(-heads // BLOCK_H), query, kv_rows, slots, counts, out, lse,
+    return launch_kernel(few_heads_kernel, -(-heads // params.block_h), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
                             params.launch_options(), lead_tiles=lead_tiles)
 
@@ -493,7 +506,7 @@ def few_heads_sparse_mla_decode(
     """Sparse MLA decode for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
     nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
-    query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above 16, 16-head blocks).
+    query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above params.block_h, blocks of that many).
     Other arguments (lead_tiles too) as triton_decode.sparse_mla_decode; workspace from
     make_workspace(config=params.config()). Returns the compiled kernel handle.
     """

@@ -52,17 +52,17 @@ def gluon_config(block_n: int = GLUON64_BLOCK_N) -> Config:
                   split_tiles=GLUON64_SPLIT_TILES * block_n / GLUON64_BLOCK_N, lead_split=True, lead_min_gain=0.0)
 
 
-def few_heads_config() -> Config:
+def few_heads_config(block_h: int = FEW_BLOCK_H) -> Config:
     """The few-heads Gluon kernel's plan Config at one CTA an SM, even plans (its params' config() adds occupancy and
-    lead plans)."""
-    return Config(block_h=FEW_BLOCK_H, block_n=FEW_BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1, swap=True,
-                  split_tiles=FEW_SPLIT_TILES)
+    lead plans); block_h: heads a CTA (16; 8 for the 8-head form, 32 for two 16-head consumers)."""
+    return Config(block_h=block_h, block_n=FEW_BLOCK_N, num_warps=12, num_stages=1, ctas_per_sm=1, swap=True,
+                  split_tiles=FEW_SPLIT_TILES * block_h / FEW_BLOCK_H)
 
 
-def few_heads_params_config(heads: int, reg_v: bool, ctas_per_sm: int) -> Config:
-    """The plan Config of the few-heads kernel's params: lead plans with reg_v; at two CTAs an SM the tile cost of
-    this head count's 16-head blocks."""
-    cfg = dataclasses.replace(few_heads_config(), lead_split=reg_v)
+def few_heads_params_config(heads: int, reg_v: bool, ctas_per_sm: int, block_h: int = FEW_BLOCK_H) -> Config:
+    """The plan Config of the few-heads kernel's params (block_h heads a CTA): lead plans with reg_v; at two CTAs an
+    SM the tile cost of this head count's head blocks."""
+    cfg = dataclasses.replace(few_heads_config(block_h), lead_split=reg_v)
     if ctas_per_sm == 1:
         return cfg
-    return dataclasses.replace(cfg, ctas_per_sm=2, tile_cost=TWO_CTA_TILE_COST[min(-(-heads // FEW_BLOCK_H), 2)])
+    return dataclasses.replace(cfg, ctas_per_sm=2, tile_cost=TWO_CTA_TILE_COST[min(-(-heads // block_h), 2)])

@@ -2,6 +2,20 @@
 
 A variant runs by itself only on the versions of VERIFIED_TRITON (GPU-tested there); VLLM_KIMI_DSA_GLUON=1 asks
 for it on any version Gluon's API supports, =0 never. Elsewhere the plain kernel runs.
+
+Which kernel takes which head count a rank (1..128; heads past H in a kernel's block are zero queries, masked at
+the store: the query is never copied or padded in memory), fp8 cache:
+
+| heads | kernel (hopper_kernel) |
+| --- | --- |
+| 1..8 | few heads, 8-head blocks ("few-fp8-h8"; where not verified, one 16-head block) |
+| 9..16 | few heads, one 16-head block |
+| 17..32 | few heads, two 16-head blocks (each CTA gathers the rows; the second mostly from L2) |
+| 33..128 | the 64-head kernels (seesaw / gluon_decode): one or two 64-head blocks |
+
+nvfp4_ds_mla: 1..16 few heads (one 16-head block), 17..32 few heads below NVFP4_SEESAW_MIN_ROWS rows and the seesaw
+nvfp4 form from there, 33..128 the seesaw nvfp4 form. The plain Triton kernel (elsewhere) takes every count in
+16-, 32- or 64-head blocks (planning.default_config).
 """
 
 from __future__ import annotations
@@ -27,6 +41,9 @@ VERIFIED_TRITON: dict[str, tuple[str, ...]] = {
     "seesaw-nvfp4": ("3.6", "3.8"),
     "few-fp8": ("3.6", "3.8"),  # gluon_few_heads reg_v, one and two CTAs an SM, <= 16 heads
     "few-fp8-multi": ("3.6", "3.8"),  # ... 17..32 heads (16-head blocks)
+    # gluon_few_heads reg_v with 8-head blocks (block_h=8), one and two CTAs an SM, 1..8 heads: not yet GPU-tested
+    # (issue 42's device run tests and times it against the 16-head block; until then 1..8 heads pad to 16)
+    "few-fp8-h8": (),
     "few-nvfp4": ("3.6", "3.8"),  # gluon_few_heads nvfp4 (e4m3 form), <= 16 heads
     "few-nvfp4-multi": ("3.6", "3.8"),  # ... 17..32 heads
     "pv_early": ("3.6", "3.8"),  # the two-CTA reg_v form's P.V issued before the wait for the next tile
@@ -61,6 +78,7 @@ class GluonChoice:
     launches); > 32 heads, the seesaw kernel's, for the launches seesaw_takes (seesaw: which of the two `large` is);
     nvfp4 17..32 heads, the seesaw kernel's nvfp4 form for every launch of the plans of large_from_rows rows or more.
     verified: whether this Triton is one every bound variant passed its GPU tests on.
+    variant: the VERIFIED_TRITON name of `params` (what hopper_kernel reports).
     """
 
     params: Any
@@ -71,6 +89,18 @@ class GluonChoice:
     seesaw: bool = False
     large_from_rows: int = 0
     verified: bool = True
+    variant: str = ""
+
+
+# fp8 at most this many heads runs the few-heads kernel's 8-head blocks where "few-fp8-h8" is verified
+H8_MAX_HEADS = gluon_few_heads.BLOCK_HS[0]
+
+
+def hopper_kernel(fmt: str, heads: int, want: str = "", fp8_pv: bool = False) -> str:
+    """The VERIFIED_TRITON name of the Gluon kernel gluon_choice binds for (fmt, heads) on this Triton (its
+    large-batch alternatives aside), or "tl" (the plain kernel, want "0"): the module docstring's table as code."""
+    choice = gluon_choice(fmt, heads, want, fp8_pv)
+    return "tl" if choice is None else choice.variant
 
 
 def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> GluonChoice | None:
@@ -82,28 +112,34 @@ def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> Gluon
     if heads > 32:
         if fmt != "fp8":  # nvfp4: every launch on the seesaw kernel (gluon_decode's has no nvfp4 form)
             nv = gluon_seesaw.nvfp4_seesaw_params()
-            return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"))
+            return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"),
+                               variant="seesaw-nvfp4")
         if fp8_pv and (want == "1" or verified("seesaw-pv-fp8")):
             # faster than the default pair at every batch measured, split tails included (docs/hopper-kernels.md)
             pv = gluon_seesaw.pv_fp8_seesaw_params()
-            return GluonChoice(pv, gluon_seesaw.launch, pv.config(), verified=verified("seesaw-pv-fp8"))
+            return GluonChoice(pv, gluon_seesaw.launch, pv.config(), verified=verified("seesaw-pv-fp8"),
+                               variant="seesaw-pv-fp8")
         params = gluon_decode.GluonParams()
         seesaw = want == "1" or verified("seesaw")
         return GluonChoice(params, gluon_decode.launch, params.config(),
                            large=(gluon_seesaw.SeesawParams(),) if seesaw else (),
                            large_launch=gluon_seesaw.launch if seesaw else None, seesaw=seesaw,
-                           verified=verified("gluon64"))
+                           verified=verified("gluon64"), variant="gluon64")
     multi = "-multi" if heads > gluon_few_heads.BLOCK_H else ""
     if fmt == "fp8":  # every batch on reg_v, one or two CTAs an SM by plan cost
-        two = gluon_few_heads.reg_v_params(ctas_per_sm=2)
+        # 1..8 heads: 8-head blocks where verified (or asked for), else one 16-head block
+        block_h = 8 if heads <= H8_MAX_HEADS and (want == "1" or verified("few-fp8-h8")) else gluon_few_heads.BLOCK_H
+        variant = "few-fp8-h8" if block_h == 8 else "few-fp8" + multi
+        two = gluon_few_heads.reg_v_params(ctas_per_sm=2, block_h=block_h)
         if not verified("pv_early"):
             two = dataclasses.replace(two, pv_early=False)
-        params = gluon_few_heads.reg_v_params()
-        return GluonChoice(params, gluon_few_heads.launch, few_heads_config(), large=(params, two),
-                           large_launch=gluon_few_heads.launch, verified=verified("few-fp8" + multi))
+        params = gluon_few_heads.reg_v_params(block_h=block_h)
+        return GluonChoice(params, gluon_few_heads.launch, few_heads_config(block_h), large=(params, two),
+                           large_launch=gluon_few_heads.launch, verified=verified(variant), variant=variant)
     params = gluon_few_heads.nvfp4_params()
     if not multi:
-        return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4"))
+        return GluonChoice(params, gluon_few_heads.launch, params.config(), verified=verified("few-nvfp4"),
+                           variant="few-nvfp4")
     return GluonChoice(params, gluon_few_heads.launch, params.config(), large=(gluon_seesaw.nvfp4_seesaw_params(),),
                        large_launch=gluon_seesaw.launch, large_from_rows=NVFP4_SEESAW_MIN_ROWS,
-                       verified=verified("few-nvfp4-multi") and verified("seesaw-nvfp4"))
+                       verified=verified("few-nvfp4-multi") and verified("seesaw-nvfp4"), variant="few-nvfp4-multi")
