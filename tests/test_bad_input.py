@@ -267,8 +267,10 @@ def test_nvfp4_cache_with_trtllm():
 
 
 def test_heads_not_supported():
-    b = make_buffers(R, 48, WIDTH, DEVICE)
-    _rejects(ValueError, "heads=48", _build(b, heads=48), b)
+    """Every count 1..128 is a rank's (48 builds, test_core); 129 and 0 are refused, naming heads."""
+    b = make_buffers(R, 129, WIDTH, DEVICE)
+    _rejects(ValueError, "heads=129", _build(b, heads=129), b)
+    _rejects(ValueError, "heads must be >= 1", _build(b, heads=0), b)
 
 
 def test_heads_the_kernel_cannot_take():

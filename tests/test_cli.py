@@ -23,21 +23,21 @@ BAD: list[tuple[tuple[str, ...], str]] = [
     (("frob",), "invalid choice: 'frob'"),
     (("demo", "--rows", "0"), "--rows"),
     (("demo", "--layers", "0"), "--layers"),
-    (("demo", "--heads", "7"), "--heads"),
+    (("demo", "--heads", "129"), "--heads"),  # 1..128 heads a rank
     (("demo", "--width", "100"), "--width"),
     (("demo", "--width", "0"), "--width"),
     (("demo", "--kernel", "foo"), "--kernel"),
     (("demo", "--kernel", "trtllm"), "--kernel"),  # a kernel name, but not one a CPU runs
     (("tune",), "--allow-cpu"),  # no GPU and no --allow-cpu
     (("tune", "--allow-cpu", "--rows", "0"), "--rows"),
-    (("tune", "--allow-cpu", "--heads", "7"), "--heads"),
+    (("tune", "--allow-cpu", "--heads", "0"), "--heads"),
     (("tune", "--allow-cpu", "--width", "0"), "--width"),
     (("tune", "--allow-cpu", "--dcp", "0"), "--dcp"),
     (("tune", "--allow-cpu", "--kernels", "foo"), "--kernels"),
     (("tune", "--allow-cpu", "--kernels", "trtllm"), "--kernels"),
     (("bench",), "--out"),
     (("bench", "--out", "unused", "--rows", "0"), "--rows"),
-    (("bench", "--out", "unused", "--heads", "7"), "--heads"),
+    (("bench", "--out", "unused", "--heads", "8,129"), "--heads"),
 ]
 HELP: list[tuple[str, ...]] = [("--help",), ("demo", "--help"), ("tune", "--help"), ("bench", "--help")]
 Finished = subprocess.CompletedProcess  # one case's process, its output as text

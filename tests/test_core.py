@@ -56,7 +56,7 @@ def test_one_kernel_object_per_name_and_rows_routed_by_table(reference_kernels):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads", [128, 96, 64, 32, 16, 12])
+@pytest.mark.parametrize("heads", [128, 96, 64, 32, 16, 12, 48, 24, 8, 6, 4, 2, 1])
 def test_run_writes_reference_into_the_models_buffers(reference_kernels, fmt, heads):
     rows, width = 3, 256
     core, impl, layer, buffers = _core(fmt, heads, 5, width, {rows: "triton"})

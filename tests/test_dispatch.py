@@ -191,7 +191,8 @@ def test_kernel_for_builtin_table_at_each_boundary(dcp, heads):
     "args, exc, name",
     [
         ((0, 1, ("prims_ts",), 64), ValueError, "rows"),
-        ((1, 0, ("prims_ts",), 64), ValueError, "dcp"),
+        ((1, -1, ("prims_ts",), 64), ValueError, "dcp"),  # 0 and 1: tensor parallel (test_heads.py)
+        ((1, 2.0, ("prims_ts",), 64), TypeError, "dcp"),
         ((1, 1, ("prims_ts",), 0), ValueError, "heads"),
         ((1.0, 1, ("prims_ts",), 64), TypeError, "rows"),
         ((1, 1, "prims_ts", 64), TypeError, "kernels"),

@@ -51,16 +51,16 @@ def vllm_config(
     topk: int = 128,
     backend: str | None = "FLASHINFER_MLA_SPARSE",
     dcp: int = 1,
+    tp: int = 1,
     block_size: int = 64,
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,
     capture_sizes: tuple[int, ...] = (1, 2, 4),
     speculative_tokens: int = 0,
 ) -> Any:
-    """A real VllmConfig of the model written to `directory` (the device left as vLLM infers it on a CPU).
-
-    speculative_tokens: > 0 adds vLLM's n-gram speculative decoding with that many draft tokens (no draft model).
-    """
+    """A real VllmConfig of the model written to `directory` (the device left as vLLM infers it on a CPU); tp: the
+    tensor-parallel size it says (vLLM wants it divisible by dcp; nothing is launched, so any size builds here);
+    speculative_tokens: > 0 adds vLLM's n-gram speculative decoding with that many draft tokens (no draft model)."""
     from vllm.config import (
         AttentionConfig, CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, ParallelConfig,
         SchedulerConfig, SpeculativeConfig, VllmConfig,
@@ -73,7 +73,7 @@ def vllm_config(
     return VllmConfig(
         model_config=model,
         cache_config=CacheConfig(cache_dtype=kv_cache_dtype, block_size=block_size),
-        parallel_config=ParallelConfig(decode_context_parallel_size=dcp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096,
             is_encoder_decoder=False,

@@ -22,4 +22,20 @@ def positive_int(value: Any, name: str) -> int:
     return value
 
 
-__all__ = ["positive_int"]
+def dcp_flag(value: Any, name: str = "dcp") -> bool:
+    """Whether `value` says "under decode context parallelism": a bool is the flag itself (the seed's
+    `FI_KERNEL["dcp" if dcp else "tp"]`); an int (numpy ints too) is a DCP size, 0 or 1 tensor parallel and > 1 under
+    DCP. TypeError for anything else (a float, a str), ValueError below 0, naming the argument."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy.bool_ is no int subclass
+        return bool(value)
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a bool or an int (a DCP size: 0 or 1 tensor parallel, > 1 under DCP), "
+                        f"got {type(value).__name__}") from None
+    if size < 0:
+        raise ValueError(f"{name} must be >= 0 (0 or 1: tensor parallel, > 1: a DCP size), got {size}")
+    return size > 1
+
+
+__all__ = ["dcp_flag", "positive_int"]

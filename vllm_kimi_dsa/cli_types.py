@@ -34,17 +34,17 @@ def batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def head_counts(text: str) -> tuple[int, ...]:
-    """A comma-separated list of head counts, each one K3.1 runs (heads.SUPPORTED_HEADS)."""
-    from vllm_kimi_dsa.heads import SUPPORTED_HEADS
+    """A comma-separated list of head counts, each one the kernels take (1 to heads.MAX_HEADS a rank)."""
+    from vllm_kimi_dsa.heads import MAX_HEADS, SUPPORTED_HEADS
 
     values = _ints(text)
     if not values or any(h not in SUPPORTED_HEADS for h in values):
-        raise argparse.ArgumentTypeError(f"must be among {SUPPORTED_HEADS} (K3.1's heads per rank), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be query heads a rank in 1..{MAX_HEADS}, got {text!r}")
     return values
 
 
 def head_count(text: str) -> int:
-    """One head count K3.1 runs."""
+    """One head count the kernels take."""
     values = head_counts(text)
     if len(values) != 1:
         raise argparse.ArgumentTypeError(f"expected one head count, got {text!r}")

@@ -21,7 +21,7 @@ from vllm_kimi_dsa.formats import (
     normalize_format,
     row_bytes,
 )
-from vllm_kimi_dsa.heads import SUPPORTED_HEADS, heads_refusal
+from vllm_kimi_dsa.heads import check_heads, heads_refusal
 from vllm_kimi_dsa.kernels import DecodeKernel, DecodeSetup, build_kernel
 from vllm_kimi_dsa.selection import KERNELS, plan_rows_for
 
@@ -56,7 +56,7 @@ class FlashInferCore:
         `kv_lora_rank` (512), `qk_rope_head_dim` (64), `kv_cache_dtype`,
         and for trtllm-gen `_workspace_buffer`.
     layer: has `_q_scale_float` and `_k_scale_float`.
-    heads: query heads H of this rank (128, 96, 64, 32, 16 or 12).
+    heads: query heads H of this rank after DCP's gather, 1..128 (heads.MAX_HEADS).
     buffers: (slots (R, K) int32, counts (R,) int32, latent (R*H*512,) bf16,
         lse (R*H,) float32 or None); R is the largest batch, K the top-k width.
     kernels: {rows: kernel name} for every batch size the model runs.
@@ -85,9 +85,7 @@ class FlashInferCore:
         self.fmt: CacheFormat = normalize_format(
             kv_cache_dtype if kv_cache_dtype is not None else getattr(impl, "kv_cache_dtype", "fp8")
         )
-        self.heads = int(heads)
-        if self.heads not in SUPPORTED_HEADS:
-            raise ValueError(f"heads={heads} is not one K3.1 runs; expected one of {SUPPORTED_HEADS}")
+        self.heads = check_heads(heads, "heads")
         if getattr(impl, "kv_lora_rank", LATENT_DIM) != LATENT_DIM:
             raise ValueError(f"impl.kv_lora_rank must be {LATENT_DIM}, got {impl.kv_lora_rank}")
         if getattr(impl, "qk_rope_head_dim", HEAD_DIM - LATENT_DIM) != HEAD_DIM - LATENT_DIM:

@@ -313,7 +313,7 @@ def tune(
 ) -> dict[str, Any]:
     """Measure `kernels` (default: all this machine runs) at every batch size; write the fastest as a table.
 
-    rows: batch sizes to time (positive ints). heads: query heads per rank (a K3.1 value).
+    rows: batch sizes to time (positive ints). heads: query heads per rank (1..128).
     width: top-k K (multiple of 128). dcp: 1 -> the "tp" spec, > 1 -> the "dcp" spec.
     out: the table file (an existing file keeps its other topology); None writes nothing.
     measure: (kernel, rows, TuneConfig) -> µs; default CoreTimer (FlashInferCore.decode in CUDA graphs).

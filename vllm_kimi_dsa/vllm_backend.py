@@ -3,7 +3,7 @@
 Supports: DSA models (DeepseekV32, GlmMoeDsa, Kimi K3.1) with 576-wide MLA rows (512 latent + 64 RoPE), FP8
 (`fp8` / `fp8_e4m3`, 576 B rows) caches, and `nvfp4_ds_mla` (352 B rows) on SM100/103 (vLLM 0.33 cannot write
 nvfp4_ds_mla rows on SM90, so it is refused there at selection), block sizes that are multiples of 32,
-query heads per rank (times DCP) in 128, 96, 64, 32, 16, 12, DCP, CUDA graphs of uniform decode batches.
+query heads per rank (times DCP) from 1 to 128, DCP, CUDA graphs of uniform decode batches.
 SM90 (Hopper): every sparse decode runs this package's Triton/Gluon kernels. SM100/103 (Blackwell): the core's
 kernel table (FlashInfer prims_ts / trtllm-gen); what the core does not serve there (BF16 caches, other head
 counts, HiSparse, NoPE-only models) stays on vLLM's own FlashInferMLASparseImpl code, unchanged.
@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
 from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
-from vllm_kimi_dsa.heads import SUPPORTED_HEADS
+from vllm_kimi_dsa.heads import rank_heads_refusal
 from vllm_kimi_dsa.logs import init_logger
 from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_rows
 
@@ -50,10 +50,13 @@ def core_rejects(
     head_size: int,
     heads: int | None,
     hisparse: bool = False,
+    dcp: int = 1,
+    tp: int | None = None,
 ) -> str | None:
     """Why this package's core cannot run a layer, or None when it can.
 
     heads: query heads per row the kernel sees (heads per TP rank times the DCP size); None: not known yet.
+    dcp, tp: the DCP and tensor-parallel sizes, for a heads refusal that names the change fixing it.
     """
     if kv_cache_dtype not in CORE_CACHE_DTYPES:
         return (
@@ -62,11 +65,9 @@ def core_rejects(
         )
     if head_size != HEAD_DIM:
         return f"head_size {head_size} is not {HEAD_DIM} ({LATENT_DIM} latent + 64 RoPE); NoPE-only MLA is not served"
-    if heads is not None and heads not in SUPPORTED_HEADS:
-        return (
-            f"{heads} query heads per rank (after DCP) is not a head count the sparse kernels take "
-            f"{SUPPORTED_HEADS}; choose another tensor-parallel size"
-        )
+    too_many = None if heads is None else rank_heads_refusal(heads, dcp, tp)
+    if too_many is not None:
+        return too_many
     if hisparse:
         return "HiSparse (attention_config.hisparse_config) is not served by the sparse core"
     if capability.major == HOPPER and kv_cache_dtype == "nvfp4_ds_mla":
@@ -92,6 +93,14 @@ def _query_heads(vllm_config: Any) -> int | None:
         return None
     parallel = vllm_config.parallel_config
     return int(model_config.get_num_attention_heads(parallel)) * int(parallel.decode_context_parallel_size)
+
+
+def _parallel_sizes(vllm_config: Any) -> dict[str, int]:
+    """{"dcp": DCP size, "tp": tensor-parallel size} of the config (what a heads refusal names), {} without one."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return {}
+    return {"dcp": int(parallel.decode_context_parallel_size), "tp": int(parallel.tensor_parallel_size)}
 
 
 def _uses_hisparse(vllm_config: Any) -> bool:
@@ -145,6 +154,7 @@ class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
             head_size=head_size,
             heads=_query_heads(vllm_config),
             hisparse=_uses_hisparse(vllm_config),
+            **_parallel_sizes(vllm_config),
         )
         if why is not None and not vllm_path_takes(device_capability, kv_cache_dtype):
             return f"{cls.get_name()} (vllm_kimi_dsa) on SM{device_capability.to_int()}: {why}"
@@ -174,6 +184,7 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             head_size=self.kv_lora_rank + self.qk_rope_head_dim,
             heads=self.num_heads * self.dcp_world_size,
             hisparse=isinstance(self.index_group, HiSparseMLAIndexGroup),
+            **_parallel_sizes(self._vllm_config),
         )
         if why is not None and not vllm_path_takes(capability, self.kv_cache_dtype):
             raise ValueError(f"FLASHINFER_MLA_SPARSE (vllm_kimi_dsa) on SM{capability.to_int()}: {why}")

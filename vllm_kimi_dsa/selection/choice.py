@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vllm_kimi_dsa.arguments import positive_int
+from vllm_kimi_dsa.arguments import dcp_flag, positive_int
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.heads import heads_refusal
 from vllm_kimi_dsa.selection.specs import FI_KERNEL, KERNELS, active_kernel_table, check_table, kernel_from_spec
@@ -18,31 +18,37 @@ from vllm_kimi_dsa.selection.specs import FI_KERNEL, KERNELS, active_kernel_tabl
 
 def kernel_for(
     rows: int,
-    dcp: int,
+    dcp: bool | int,
     kernels: Sequence[str],
-    heads: int,
+    heads: int | None = None,
     table: Mapping[str, str] | None = None,
 ) -> str:
     """The kernel (a name in KERNELS) to run a batch of `rows` query rows of `heads` heads.
 
+    dcp: whether the batch runs under decode context parallelism, as the seed's flag
+        (`FI_KERNEL["dcp" if dcp else "tp"]`): a bool is the flag; an int is a DCP size, 0 or 1 tensor parallel
+        (a DCP of one rank is no DCP: every caller passing vLLM's decode_context_parallel_size, 1 by default, means
+        TP by it) and > 1 under DCP. TypeError for a non-int, ValueError below 0.
     kernels: the names this machine may use (e.g. fi_kernels(...)); names outside
         KERNELS ("sparse") are ignored.
-    dcp: decode-context-parallel size; > 1 reads the table's "dcp" spec, else "tp".
+    heads: query heads a row (after DCP's gather), 1..128; None: not known, so the rules that need it are
+        skipped (every offered kernel stays a candidate, and 128 heads without DCP is not sent to trtllm).
     table: {"tp": spec, "dcp": spec}; None -> active_kernel_table(). A topology
         missing from `table` uses FI_KERNEL's.
     Rules, in order: 64 < heads < 128 excludes trtllm; heads > 128 excludes
-    prims_ts and trtllm; heads == 128 without DCP -> trtllm when it is a
+    every kernel; heads == 128 without DCP -> trtllm when it is a
     candidate; a single candidate -> it; else the table's choice when it is a
     candidate, else prims_ts when it is one, else the first candidate in KERNELS order.
     """
     positive_int(rows, "rows")
-    positive_int(dcp, "dcp")
-    positive_int(heads, "heads")
+    under_dcp = dcp_flag(dcp, "dcp")
+    if heads is not None:
+        heads = positive_int(heads, "heads")
     if isinstance(kernels, str):
         raise TypeError(f"kernels must be a sequence of kernel names, not the str {kernels!r}")
     offered = set(kernels)
     candidates = [k for k in KERNELS if k in offered]
-    excluded = {k: reason for k in candidates if (reason := heads_refusal(k, heads))}
+    excluded = {} if heads is None else {k: reason for k in candidates if (reason := heads_refusal(k, heads))}
     candidates = [k for k in candidates if k not in excluded]
     if not candidates:
         why = "; ".join(excluded.values())
@@ -51,11 +57,11 @@ def kernel_for(
             + (f" ({why})" if why else f"; it runs {KERNELS}")
         )
     # SPEC 5: 128 heads without DCP is the shape vLLM's FLASHINFER_MLA_SPARSE runs on trtllm-gen.
-    if heads == 128 and dcp == 1 and "trtllm" in candidates:
+    if heads == 128 and not under_dcp and "trtllm" in candidates:
         return "trtllm"
     if len(candidates) == 1:
         return candidates[0]
-    key = "dcp" if dcp > 1 else "tp"
+    key = "dcp" if under_dcp else "tp"
     source = active_kernel_table() if table is None else check_table(table, "table")
     spec = source.get(key, FI_KERNEL[key])
     choice = kernel_from_spec(spec, rows)
