@@ -1,0 +1,559 @@
+"""The prefill section of the benchmark suite: long prefill chunks through `serving.LayerStep` as vLLM calls it.
+Owns the prefill cases, their inputs (as vLLM hands them to `_forward_mqa_kernel`), floor, timing and accuracy.
+
+A prefill chunk reaches this package's backend as one batch of `rows` query tokens (FP8 query (rows, H, 576), flat
+cache rows with -1 past each count, the counts), larger than the planned decode batch, so LayerStep runs it in
+pieces of `max_rows` and copies each piece's latent into a new output. The peer on the same data is FlashMLA's SM90
+sparse prefill (`flash_mla_sparse_fwd`), the kernel vLLM 0.33's FLASHMLA_SPARSE runs for a prefill chunk on an FP8
+cache at >= 32 heads a rank, on the BF16 workspace vLLM gathers and upconverts the context into (its glue and build:
+benchmarks/peers/flashmla_prefill/, outside the package; the section runs without it).
+
+Cases: 1 request x 4096 query tokens and 4 x 1024, H = 128 and 16, K = 2048. Each request has `prior` = K tokens of
+context before the chunk, so every query token selects K rows (causally: token t sees the prior and chunk tokens up
+to itself); with a shorter prior a token's ids end in -1 past its count, as the indexer gives them.
+Timing: eager (vLLM runs prefill outside CUDA graphs), CUDA events around each call, median of `reps` after
+`warmup` calls. No L2 rotation: one call writes rows*H*1 KiB of latent and reads rows*H*576 B of query, far past L2,
+and the context (<= 12288 rows, 7 MiB) is re-read from L2 within every call by design.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from vllm_kimi_dsa.formats import FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
+from vllm_kimi_dsa.reference import reference_decode
+from vllm_kimi_dsa.serving import LayerStep, StepShape
+from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer
+
+K = 2048
+BLOCK = 64
+SCALE = 1.0 / math.sqrt(192.0)  # K3's 1/sqrt(qk_nope + qk_rope), as the decode suite
+Q_SCALE, K_SCALE = 0.25, 0.125  # powers of two, so the peer's BF16 query and rows hold the FP8 values exactly
+CASES = ((1, 4096), (4, 1024))  # (requests, query tokens each)
+HEADS = (128, 16)
+MAX_ROWS = 512  # vLLM's planned decode batch (serving.planned_rows: the largest capture size, 512 by default)
+SAMPLE_ROWS = 48  # query tokens checked against the float32 reference, besides each piece's first and last
+FLASHMLA_ROW_BYTES = 656  # vLLM's fp8_ds_mla row, what its gather reads before upconverting to BF16
+PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "peers" / "flashmla_prefill"
+PEER_KINDS = {"flashmla-9241ae3": "flashmla/bf16", "vllm-0.33": "flashmla-vllm/bf16"}  # build source -> kernel name
+OURS = "layerstep/fp8"
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    """One prefill chunk: `requests` requests of `tokens` query tokens each, `prior` context tokens before it.
+
+    heads: query heads a rank; width: top-k K (a multiple of 128); max_rows: LayerStep's piece size.
+    """
+
+    requests: int
+    tokens: int
+    heads: int
+    width: int = K
+    prior: int = K
+    block_size: int = BLOCK
+    max_rows: int = MAX_ROWS
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "tokens", "heads", "block_size", "max_rows"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.heads <= 128:
+            raise ValueError(f"heads must be in 1..128, got {self.heads}")
+        if self.width < 128 or self.width % 128:
+            raise ValueError(f"width must be a positive multiple of 128, got {self.width}")
+        if self.prior < 0:
+            raise ValueError(f"prior must be >= 0, got {self.prior}")
+
+    @property
+    def rows(self) -> int:
+        """Query tokens of the chunk (LayerStep's rows)."""
+        return self.requests * self.tokens
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of each request once the chunk is written: its context (vLLM's prefill seq_len)."""
+        return self.prior + self.tokens
+
+    @property
+    def pieces(self) -> int:
+        return -(-self.rows // self.max_rows)
+
+    @property
+    def name(self) -> str:
+        return f"{self.requests}x{self.tokens}"
+
+
+@dataclass
+class PrefillInputs:
+    """What vLLM hands `_forward_mqa_kernel` for the chunk, and how the tokens lie in the cache.
+
+    query (rows, H, 576) e4m3 (scale Q_SCALE); cache (num_blocks, block_size, 576) e4m3 (scale K_SCALE);
+    slots (rows, K) int32 flat rows, valid ones first, -1 after; counts (rows,) int32;
+    topk (rows, K) int32 request-local token ids (-1 where slots are); req_id (rows,) int32;
+    block_table (requests, blocks a request) int32.
+    """
+
+    case: PrefillCase
+    query: torch.Tensor
+    cache: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+    topk: torch.Tensor
+    req_id: torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def kv_rows(self) -> torch.Tensor:
+        return flat_kv_row_view(self.cache, self.case.block_size)[0]
+
+
+def make_prefill_inputs(case: PrefillCase, device: torch.device | str, seed: int = 0) -> PrefillInputs:
+    """A random prefill chunk: each request's `seq_len` tokens in its own shuffled blocks of a cache of e4m3(8 x)
+    rows; token t of a request selects min(K, prior + t + 1) distinct ids among tokens 0..prior+t in random (score)
+    order, -1 after them (the indexer's causal top-k); vLLM's converter makes them flat rows, -1 kept, and counts."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    bs, width = case.block_size, case.width
+    blocks_per_req = -(-case.seq_len // bs)
+    num_blocks = case.requests * blocks_per_req + 3  # a few blocks no request owns
+    x = torch.randn((num_blocks * bs, HEAD_DIM), device=device, generator=g)
+    cache = (x / K_SCALE).to(torch.float8_e4m3fn).view(num_blocks, bs, HEAD_DIM)
+    del x
+    perm = torch.randperm(num_blocks, device=device, generator=g)[: case.requests * blocks_per_req]
+    block_table = perm.to(torch.int32).view(case.requests, blocks_per_req)
+    req_id = torch.arange(case.requests, dtype=torch.int32, device=device).repeat_interleave(case.tokens)
+    # causal top-k: random keys, the tokens a query cannot see pushed past every visible one
+    visible = case.prior + torch.arange(case.tokens, device=device) + 1  # tokens 0..prior+t
+    topk = torch.empty((case.rows, width), dtype=torch.int32, device=device)
+    pos = torch.arange(case.seq_len, device=device)
+    for r in range(case.requests):
+        keys = torch.rand((case.tokens, case.seq_len), device=device, generator=g)
+        keys.masked_fill_(pos.unsqueeze(0) >= visible.unsqueeze(1), 2.0)
+        order = keys.argsort(dim=1)[:, :width]
+        if order.shape[1] < width:  # a context shorter than K: nothing past it
+            order = torch.cat([order, order.new_full((case.tokens, width - order.shape[1]), -1)], dim=1)
+        order = order.masked_fill(torch.arange(width, device=device).unsqueeze(0) >= visible.unsqueeze(1), -1)
+        topk[r * case.tokens:(r + 1) * case.tokens] = order.to(torch.int32)
+    valid = topk >= 0
+    ids = topk.clamp(min=0).long()
+    blocks = block_table[req_id.long()].gather(1, ids // bs)
+    slots = torch.where(valid, blocks * bs + (ids % bs).to(torch.int32), torch.full_like(topk, -1))
+    counts = valid.sum(dim=1).to(torch.int32)
+    query = (torch.randn((case.rows, case.heads, HEAD_DIM), device=device, generator=g) / Q_SCALE).to(
+        torch.float8_e4m3fn)
+    return PrefillInputs(case=case, query=query, cache=cache, slots=slots.contiguous(), counts=counts, topk=topk,
+                         req_id=req_id, block_table=block_table)
+
+
+def context_rows(inp: PrefillInputs) -> torch.Tensor:
+    """(requests * seq_len,) int64 flat cache rows of every request's tokens in order: what vLLM's prefill gather
+    (`cp_gather_and_upconvert_fp8_kv_cache`) reads into its BF16 workspace, request r at offset r * seq_len."""
+    case = inp.case
+    t = torch.arange(case.seq_len, device=inp.cache.device)
+    blocks = inp.block_table.long()[:, t // case.block_size]  # (requests, seq_len)
+    return (blocks * case.block_size + t % case.block_size).reshape(-1)
+
+
+def workspace_indices(inp: PrefillInputs) -> torch.Tensor:
+    """(rows, K) int32: the top-k ids as offsets into that workspace (vLLM's converter with HAS_PREFILL_WORKSPACE),
+    -1 kept."""
+    start = inp.req_id * inp.case.seq_len
+    return torch.where(inp.topk >= 0, inp.topk + start.unsqueeze(1), torch.full_like(inp.topk, -1))
+
+
+def gather_workspace(kv_rows: torch.Tensor, ctx: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """The peer's BF16 workspace: rows `ctx` of the fp8 cache, dequantized (x K_SCALE, exact in BF16). A torch
+    stand-in for vLLM's one-kernel gather + upconvert (three passes here)."""
+    workspace.copy_(kv_rows.index_select(0, ctx))
+    return workspace.mul_(K_SCALE)
+
+
+# ---------------------------------------------------------------- floor
+
+
+def prefill_floor(case: PrefillCase, ceil: dict[str, Any], *, q_bytes: int, kv_row_bytes: int,
+                  compute: str) -> dict[str, Any]:
+    """The least time one chunk can take: max(bytes / copy bandwidth, flops / matmul rate).
+
+    flops = 2 * rows * H * K * (576 + 512) (Q.K over 576 dims, P.V over 512): the useful heads, no padding.
+    bytes = query in (q_bytes a value) + latent out (BF16) + each request's context read once (kv_row_bytes a row):
+    every query token's K selected rows are context rows, so re-reads of them can come from L2.
+    gathered_bytes (reported, not in the floor): the selected rows as if each token read its K from memory.
+    compute: "bf16" (every flop at the BF16 rate), "fp8" or "fp8qk" (Q.K at the FP8 rate, P.V at the BF16 rate).
+    ceil: copy_GBps (bytes read + written per s), bf16_TFLOPs, fp8_TFLOPs (None: the BF16 rate).
+    """
+    if compute not in ("bf16", "fp8", "fp8qk"):
+        raise ValueError(f"compute must be bf16, fp8 or fp8qk, got {compute!r}")
+    rows, heads, width = case.rows, case.heads, case.width
+    flops = 2.0 * rows * heads * width * (HEAD_DIM + LATENT_DIM)
+    qk = 2.0 * rows * heads * width * HEAD_DIM
+    io_bytes = rows * heads * HEAD_DIM * q_bytes + rows * heads * LATENT_DIM * 2
+    kv_bytes = case.requests * case.seq_len * kv_row_bytes
+    gathered = rows * width * kv_row_bytes
+    bf16 = float(ceil["bf16_TFLOPs"]) * 1e12
+    fp8 = float(ceil.get("fp8_TFLOPs") or ceil["bf16_TFLOPs"]) * 1e12
+    if compute == "fp8qk":
+        floor_fl = qk / fp8 + (flops - qk) / bf16
+    else:
+        floor_fl = flops / (fp8 if compute == "fp8" else bf16)
+    floor_bw = (io_bytes + kv_bytes) / (float(ceil["copy_GBps"]) * 1e9)
+    return {"flops": flops, "bytes": io_bytes + kv_bytes, "gathered_bytes": gathered, "compute": compute,
+            "floor_flops_us": round(floor_fl * 1e6, 3), "floor_bw_us": round(floor_bw * 1e6, 3),
+            "floor_us": round(max(floor_fl, floor_bw) * 1e6, 3),
+            "floor_bound": "compute" if floor_fl >= floor_bw else "bandwidth"}
+
+
+def with_time(rec: dict[str, Any], us: float) -> dict[str, Any]:
+    """rec (prefill_floor's keys) plus us, TFLOP/s-eq of the useful flops and the fraction of the floor."""
+    return {**rec, "us": round(us, 3), "tflops": round(rec["flops"] / (us * 1e-6) / 1e12, 2),
+            "of_floor": round(rec["floor_us"] / us, 3)}
+
+
+# ---------------------------------------------------------------- timing and accuracy
+
+
+def time_us(fn: Callable[[], Any], device: torch.device, *, reps: int, warmup: int) -> dict[str, Any]:
+    """Median (min, max) µs of `fn` over `reps` eager calls after `warmup`: CUDA events around each call, or the
+    host clock off CUDA (the interpreter: a smoke test, not a measurement)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) * 1e3 for s, e in events]
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return {"us": times[len(times) // 2], "us_min": round(times[0], 3), "us_max": round(times[-1], 3), "reps": reps}
+
+
+def sample_rows(rows: int, max_rows: int, n: int = SAMPLE_ROWS) -> torch.Tensor:
+    """Query tokens to check: the first and last of every LayerStep piece, and n spread over the chunk."""
+    picks = {0, rows - 1}
+    for start in range(0, rows, max_rows):
+        picks |= {start, min(rows, start + max_rows) - 1}
+    picks |= {int(round(i * (rows - 1) / max(1, n - 1))) for i in range(n)}
+    return torch.tensor(sorted(picks), dtype=torch.long)
+
+
+def reference_rows(inp: PrefillInputs, rows: torch.Tensor) -> torch.Tensor:
+    """float32 reference latent (len(rows), H, 512) of the sampled query tokens (reference_decode)."""
+    idx = rows.to(inp.query.device)
+    out, _ = reference_decode(inp.query[idx], inp.kv_rows, inp.slots[idx], inp.counts[idx], fmt="fp8",
+                              softmax_scale=SCALE * Q_SCALE * K_SCALE, output_scale=K_SCALE)
+    return out
+
+
+def accuracy(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
+    """rel L2 and max |error| of out's sampled rows vs the reference; non-finite values counted over all of out."""
+    o = out[rows.to(out.device)].float()
+    return {"rel_l2": float((o - ref).norm() / ref.norm()), "max_abs": float((o - ref).abs().max()),
+            "nonfinite": int((~torch.isfinite(out)).sum()), "sample_rows": int(rows.numel())}
+
+
+def poison_next_output(shape: tuple[int, ...], device: torch.device) -> None:
+    """Hand the caching allocator a NaN block of the output's size, so the next allocation of that size (the call's
+    new output) starts poisoned and an unwritten element shows as non-finite."""
+    t = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+    del t
+
+
+def layer_step(heads: int, width: int, max_rows: int, device: torch.device,
+               kernels: dict[int, str] | None = None) -> LayerStep:
+    """The layer's step as the backend builds it (kernels None: the machine's kernel table for 1..max_rows)."""
+    shape = StepShape(device=device, heads=heads, width=width, fmt="fp8", max_rows=max_rows, return_lse=False)
+    impl = StandInImpl(scale=SCALE, kv_cache_dtype="fp8")
+    return LayerStep(impl, StandInLayer(_q_scale_float=Q_SCALE, _k_scale_float=K_SCALE), shape, kernels=kernels)
+
+
+def step_impl(step: LayerStep, rows: int) -> str:
+    """Which kernel a piece of `rows` runs: the table's name and, for our Triton kernel, its plan's implementations."""
+    name = step.kernels[rows]
+    try:
+        kernel = step.core.decode_kernel(rows)
+        params = getattr(kernel, "plan_params", {}).get((rows, step.shape.width))
+        if params is not None:
+            name += ":" + "+".join(dict.fromkeys("tl" if p is None else type(p).__name__ for p in params))
+    except Exception:  # a description only
+        pass
+    return name
+
+
+# ---------------------------------------------------------------- the peer
+
+
+def peer_module() -> Any | None:
+    """benchmarks/peers/flashmla_prefill/peer.py of a source checkout, or None (an installed package)."""
+    path = PEER_DIR / "peer.py"
+    if not path.is_file():
+        return None
+    if "flashmla_prefill_peer" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("flashmla_prefill_peer", path)
+        mod = importlib.util.module_from_spec(spec)
+        assert spec.loader is not None
+        sys.modules["flashmla_prefill_peer"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["flashmla_prefill_peer"]
+
+
+class PeerBuild:
+    """peer.py --build in a child process (the extension's ~45 s compile overlaps our measurements); wait() gives
+    {kernel name: (fwd, probe records)} for every build of the kernel whose small cases all passed, and the log."""
+
+    def __init__(self, harness: str | None, build_dir: str, probe_heads: Sequence[int]) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="prefill_peer_", suffix=".log", delete=False)
+        cmd = [sys.executable, str(PEER_DIR / "peer.py"), "--build", *([harness] if harness else []),
+               "--build-dir", build_dir, "--probe-heads", ",".join(map(str, probe_heads))]
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout_s: float = 300.0) -> tuple[dict[str, tuple[Callable[..., Any], list[dict]]], dict]:
+        try:
+            rc = self.proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -9
+        self.log.close()
+        text = Path(self.log.name).read_text(errors="replace")
+        records = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+        info = {"rc": rc, "wall_s": round(time.perf_counter() - self.t0, 1), "records": records,
+                "tail": text[-1500:] if rc else ""}
+        mod = peer_module()
+        found: dict[str, tuple[Callable[..., Any], list[dict]]] = {}
+        for source, kind in PEER_KINDS.items():
+            probes = [r for r in records if r.get("step") == "probe" and r.get("source") == source]
+            if mod is not None and probes and all(r.get("ok") for r in probes):
+                try:
+                    found[kind] = (mod.load(probes[0]["so"]), probes)
+                except Exception as err:
+                    info.setdefault("load_errors", {})[kind] = f"{type(err).__name__}: {err}"[:500]
+        return found, info
+
+
+# ---------------------------------------------------------------- the section
+
+
+def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
+                        cases: Sequence[tuple[int, int]] = CASES, heads: Sequence[int] = HEADS, width: int = K,
+                        prior: int = K, max_rows: int = MAX_ROWS, reps: int = 10, warmup: int = 2,
+                        peers: dict[str, Callable[..., Any]] | None = None, ours: bool = True,
+                        kernels: dict[int, str] | None = None, log: Callable[..., None] = print) -> dict[str, Any]:
+    """Every (case, H): our LayerStep (unless ours is False), then each peer, on the same data (seeded by the case:
+    a second call makes the same inputs); accuracy before timing.
+
+    ceil: the machine's ceilings (bench.ceilings). peers: {kernel name: flash_mla_sparse_fwd-like function}.
+    kernels: LayerStep's table (None: the machine's). Returns {"info", "results", "accuracy", "failures", "ratios"}.
+    """
+    device = torch.device(device)
+    peers = peers or {}
+    section: dict[str, Any] = {"results": [], "accuracy": [], "failures": [], "info": {
+        "cases": [list(c) for c in cases], "heads": list(heads), "K": width, "prior": prior, "max_rows": max_rows,
+        "reps": reps, "warmup": warmup, "block_size": BLOCK,
+        "scales": {"scale": SCALE, "q_scale": Q_SCALE, "k_scale": K_SCALE},
+        "timing": "eager calls, CUDA events around each, median of reps after warmup; no L2 rotation (outputs and "
+                  "queries far past L2, the context is re-read from L2 within a call anyway)",
+        "ours": "serving.LayerStep(query e4m3, cache, flat rows, counts): pieces of max_rows through the core's "
+                "decode, each piece's latent copied into the chunk's new output",
+        "peer": "flash_mla_sparse_fwd as vLLM's _bf16_flash_mla_kernel runs it: BF16 query padded to a multiple "
+                "of 64 heads, BF16 workspace (the context gathered and dequantized), workspace offsets, "
+                "topk_length = counts, first H heads copied out; the gather is timed apart (gather_us, a torch "
+                "stand-in for vLLM's cp_gather_and_upconvert_fp8_kv_cache, and gather_floor_us for 656 B rows "
+                "read + BF16 written once)",
+        "floor": "max(flops / matmul rate, (query + latent + each request's context once) / copy_GBps)",
+        "vllm_h_below_32": "vLLM runs FLASHMLA_SPARSE's mixed batch below 32 heads a rank (FlashMLA's FP8 "
+                           "sparse decode kernel over the whole chunk), not this peer",
+    }}
+
+    def guarded(what: dict[str, Any], fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as err:
+            section["failures"].append({**what, "error": f"{type(err).__name__}: {err}"[:600],
+                                        "trace": traceback.format_exc()[-1500:]})
+            log(f"prefill FAILED {what}: {type(err).__name__}: {err}"[:400])
+            if device.type == "cuda":
+                try:
+                    torch.cuda.synchronize(device)
+                except Exception:  # a sticky fault: the next steps fail on their own
+                    pass
+            return None
+
+    steps: dict[int, LayerStep] = {}
+    for h in heads:
+        for requests, tokens in cases:
+            base = {"section": "prefill", "case": f"{requests}x{tokens}", "requests": requests, "tokens": tokens,
+                    "rows": requests * tokens, "heads": h, "K": width, "prior": prior}
+            setup = {**base, "kernel": "inputs"}
+            case = guarded(setup, lambda: PrefillCase(requests, tokens, h, width=width, prior=prior,
+                                                      max_rows=max_rows))
+            seed = requests * 1000 + tokens + h
+            inp = None if case is None else guarded(setup, lambda: make_prefill_inputs(case, device, seed=seed))
+            rows = sample_rows(requests * tokens, max_rows)
+            ref = None if inp is None else guarded(setup, lambda: reference_rows(inp, rows))
+            if ref is None:
+                continue
+
+            def run_ours() -> None:
+                if h not in steps:
+                    steps[h] = layer_step(h, width, max_rows, device, kernels)
+                step = steps[h]
+                call = lambda: step(inp.query, inp.cache, inp.slots, inp.counts, case.block_size)  # noqa: E731
+                if case.rows <= max_rows:
+                    step.buffers.latent.fill_(float("nan"))
+                else:
+                    poison_next_output((case.rows, h, LATENT_DIM), device)
+                out, _ = call()
+                acc = {**base, "kernel": OURS, **accuracy(out, ref, rows)}
+                section["accuracy"].append(acc)
+                del out
+                t = time_us(call, device, reps=reps, warmup=warmup)
+                fl = prefill_floor(case, ceil, q_bytes=1, kv_row_bytes=FP8_ROW_BYTES, compute="fp8qk")
+                copy_bytes = 2 * case.rows * h * LATENT_DIM * 2 if case.rows > max_rows else 0
+                rec = {**base, "kernel": OURS, "impl": step_impl(step, min(case.rows, max_rows)),
+                       "pieces": case.pieces, "max_rows": max_rows, **with_time(fl, t["us"]),
+                       "us_min": t["us_min"], "us_max": t["us_max"], "reps": t["reps"],
+                       "piece_copy_floor_us": round(copy_bytes / (float(ceil["copy_GBps"]) * 1e9) * 1e6, 3)}
+                section["results"].append(rec)
+                log(f"prefill {OURS:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us {rec['tflops']:7.1f} TF/s "
+                    f"floor {rec['floor_us']:9.1f} us ({rec['of_floor']:.2f}) rel L2 {acc['rel_l2']:.2e} "
+                    f"[{rec['impl']}]")
+
+            if ours:
+                guarded({**base, "kernel": OURS}, run_ours)
+
+            if peers:
+                mod = peer_module()
+
+                def peer_data() -> dict[str, Any]:
+                    ctx = context_rows(inp)
+                    ws = torch.empty((ctx.numel(), HEAD_DIM), dtype=torch.bfloat16, device=device)
+                    kv = inp.kv_rows
+                    gather_workspace(kv, ctx, ws)
+                    g = time_us(lambda: gather_workspace(kv, ctx, ws), device, reps=reps, warmup=1)
+                    gather_floor = ctx.numel() * (FLASHMLA_ROW_BYTES + 2 * HEAD_DIM) / (float(ceil["copy_GBps"]) * 1e9)
+                    return {"ws": ws, "idx": workspace_indices(inp), "q16": inp.query.to(torch.bfloat16),
+                            "gather_us": round(g["us"], 3), "gather_floor_us": round(gather_floor * 1e6, 3)}
+
+                pdata = guarded({**base, "kernel": "peer data"}, peer_data)
+                for kind, fwd in (peers.items() if pdata is not None else ()):
+                    def run_peer(kind: str = kind, fwd: Callable[..., Any] = fwd) -> None:
+                        peer = mod.PrefillPeer(fwd, h, case.rows, sm_scale=SCALE * Q_SCALE, device=device)
+                        call = lambda: peer.run(pdata["q16"], pdata["ws"], pdata["idx"], inp.counts)  # noqa: E731
+                        poison_next_output((case.rows, peer.padded, LATENT_DIM), device)
+                        peer.out.fill_(float("nan"))
+                        out = call()
+                        acc = {**base, "kernel": kind, **accuracy(out, ref, rows)}
+                        section["accuracy"].append(acc)
+                        t = time_us(call, device, reps=reps, warmup=warmup)
+                        fl = prefill_floor(case, ceil, q_bytes=2, kv_row_bytes=2 * HEAD_DIM, compute="bf16")
+                        rec = {**base, "kernel": kind, "padded_heads": peer.padded, **with_time(fl, t["us"]),
+                               "us_min": t["us_min"], "us_max": t["us_max"], "reps": t["reps"],
+                               "gather_us": pdata["gather_us"], "gather_floor_us": pdata["gather_floor_us"],
+                               "vllm_runs_it": h >= 32}
+                        section["results"].append(rec)
+                        log(f"prefill {kind:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us "
+                            f"{rec['tflops']:7.1f} TF/s floor {rec['floor_us']:9.1f} us ({rec['of_floor']:.2f}) "
+                            f"rel L2 {acc['rel_l2']:.2e} (heads padded to {peer.padded}; gather "
+                            f"{pdata['gather_us']:.1f} us, floor {pdata['gather_floor_us']:.1f})")
+
+                    guarded({**base, "kernel": kind}, run_peer)
+                del pdata
+            del inp, ref
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    section["ratios"] = ratios(section["results"])
+    return section
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our time over each peer's per (case, H): the kernel alone, and with the peer's gather floor added."""
+    out = []
+    ours = {(r["case"], r["heads"]): r for r in results if r["kernel"] == OURS}
+    for r in results:
+        mine = ours.get((r["case"], r["heads"]))
+        if r["kernel"] == OURS or mine is None:
+            continue
+        out.append({"case": r["case"], "heads": r["heads"], "peer": r["kernel"],
+                    "ours_over_peer": round(mine["us"] / r["us"], 3),
+                    "ours_over_peer_with_gather": round(mine["us"] / (r["us"] + r.get("gather_floor_us", 0.0)), 3)})
+    return out
+
+
+def prefill_table(section: dict[str, Any]) -> str:
+    """Markdown: one column per (case, H), a row per kernel, cells `µs (TFLOP/s-eq; fraction of the floor)`, then
+    the time ratios and the accuracy."""
+    res = section.get("results", [])
+    cols = sorted({(r["heads"], r["case"]) for r in res}, key=lambda c: (-c[0], c[1]))
+    if not cols:
+        return "(no prefill results)"
+    kinds = [OURS] + sorted({r["kernel"] for r in res} - {OURS})
+    head = "| kernel | " + " | ".join(f"{c} H={h}" for h, c in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    for k in kinds:
+        cells = []
+        for h, c in cols:
+            hit = [r for r in res if r["kernel"] == k and r["heads"] == h and r["case"] == c]
+            cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f})" if hit else "-")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    for peer in sorted({q["peer"] for q in section.get("ratios", [])}):
+        cells = []
+        for h, c in cols:
+            hit = [q for q in section["ratios"] if q["peer"] == peer and q["heads"] == h and q["case"] == c]
+            cells.append(f"{hit[0]['ours_over_peer']:.2f} ({hit[0]['ours_over_peer_with_gather']:.2f})" if hit
+                         else "-")
+        lines.append(f"| ours / {peer} (time; with its gather floor) | " + " | ".join(cells) + " |")
+    for k in kinds:
+        cells = []
+        for h, c in cols:
+            hit = [a for a in section.get("accuracy", []) if a["kernel"] == k and a["heads"] == h and a["case"] == c]
+            cells.append(f"{hit[0]['rel_l2']:.1e}" + (f" ({hit[0]['nonfinite']} non-finite)" if hit[0]["nonfinite"]
+                                                      else "") if hit else "-")
+        lines.append(f"| rel L2 {k} | " + " | ".join(cells) + " |")
+    gathers = [f"{r['case']} H={r['heads']} {r['gather_us']:.1f} µs (floor {r['gather_floor_us']:.1f})"
+               for r in res if r["kernel"] != OURS and "gather_us" in r]
+    if gathers:
+        lines.append("")
+        lines.append("Peer's gather (torch stand-in, not in its time): " + "; ".join(dict.fromkeys(gathers)))
+    return "\n".join(lines)
+
+
+def start_peer_build(harness: str | None, heads: Sequence[int]) -> tuple[PeerBuild | None, str]:
+    """The background build of the peer when its harness is here: (PeerBuild or None, a note for the JSON)."""
+    mod = peer_module()
+    if mod is None:
+        return None, f"skipped: no {PEER_DIR / 'peer.py'} (an installed package; the peer runs from a checkout)"
+    ok, where = mod.available(harness)
+    if not ok:
+        return None, f"skipped: {where}"
+    build_dir = os.environ.get("FLASHMLA_PREFILL_BUILD", os.path.join(tempfile.gettempdir(), "fmla_prefill_build"))
+    return PeerBuild(where if not where.endswith(".so") else None, build_dir, heads), f"building from {where}"
+
+
+__all__ = [
+    "CASES", "HEADS", "MAX_ROWS", "PrefillCase", "PrefillInputs", "context_rows", "gather_workspace",
+    "make_prefill_inputs", "prefill_floor", "prefill_table", "run_prefill_section", "sample_rows",
+    "start_peer_build", "workspace_indices",
+]
