@@ -19,8 +19,9 @@ DEFAULT_JSON = HERE / "results" / "latest" / "bench_suite.json"
 COLORS = {
     "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
     "torch/fp8->bf16": "tab:gray", "convert+triton/fp8": "tab:purple", "triton-pv8/fp8": "tab:cyan",
+    "flashmla/fp8_ds_mla": "tab:brown",
 }
-HEAD_GROUPS = {"bench_H128.png": (128,), "bench_H16_H12.png": (16, 12)}
+HEAD_GROUPS = {"bench_H128.png": (128,), "bench_H16_H12.png": (16, 12), "bench_H24_H8_H4.png": (24, 8, 4)}
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -40,7 +41,8 @@ def _series(recs: list[dict[str, Any]], kernel: str, heads: int, key: str) -> tu
 
 
 def plot(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """One PNG per head group: per head count, µs vs rows (log-log) and TFLOP/s-eq vs rows, floors dashed."""
+    """One PNG per head group present in the JSON: per head count, µs vs rows (log-log) and TFLOP/s-eq vs rows,
+    floors dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +98,8 @@ def _fmt(x: Any, nd: int = 1) -> str:
 OURS_FP8 = "triton/fp8"
 OURS_NVFP4 = "triton/nvfp4_ds_mla"
 OURS_FP8_PV = "triton-pv8/fp8"  # VLLM_KIMI_DSA_FP8_PV=1: P.V on e4m3
-PEER_PREFIX = "fa3/"
+PEER_PREFIXES = ("fa3/", "flashmla/")  # the Hopper peers: FlashInfer's fa3, FlashMLA as vLLM runs it
+FLASHMLA = "flashmla/fp8_ds_mla"
 
 
 def _time(recs: list[dict[str, Any]], kernel: str, heads: int, rows: int) -> float | None:
@@ -104,10 +107,17 @@ def _time(recs: list[dict[str, Any]], kernel: str, heads: int, rows: int) -> flo
     return hit[0] if hit else None
 
 
+def _copy_fraction(recs: list[dict[str, Any]], kernel: str, heads: int, rows: int) -> float | None:
+    """The kernel's time at the copy bandwidth over its time: bytes = the selected rows + query + output."""
+    hit = [r for r in recs if r["kernel"] == kernel and r["heads"] == heads and r["rows"] == rows]
+    return hit[0]["floor_bw_us"] / hit[0]["us"] if hit and hit[0].get("floor_bw_us") else None
+
+
 def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[str]:
-    """Time ratios a target is stated in, one table row each: our FP8 (and FP8 with P.V on e4m3) over the fastest
-    peer kernel at that size, nvfp4_ds_mla over our FP8 (below 1: faster)."""
-    peers = sorted({r["kernel"] for r in recs if r["kernel"].startswith(PEER_PREFIX)})
+    """The ratios the targets are stated in, one table row each: our FP8 (and FP8 with P.V on e4m3) over the fastest
+    peer kernel at that size, FlashMLA (padded to 64 / 128 heads, as vLLM runs it) over our FP8 (above 1: ours
+    faster), nvfp4_ds_mla over our FP8 (below 1: faster), and our FP8's fraction of the copy bandwidth."""
+    peers = sorted({r["kernel"] for r in recs if r["kernel"].startswith(PEER_PREFIXES)})
 
     def best_peer(rows: int) -> float | None:
         times = [t for k in peers if (t := _time(recs, k, heads, rows)) is not None]
@@ -117,11 +127,16 @@ def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[
     for label, num, den in (("fp8 / best peer (time)", lambda n: _time(recs, OURS_FP8, heads, n), best_peer),
                             ("fp8 P.V e4m3 / best peer (time)", lambda n: _time(recs, OURS_FP8_PV, heads, n),
                              best_peer),
+                            ("FlashMLA padded / fp8 (time)", lambda n: _time(recs, FLASHMLA, heads, n),
+                             lambda n: _time(recs, OURS_FP8, heads, n)),
                             ("nvfp4 / fp8 (time)", lambda n: _time(recs, OURS_NVFP4, heads, n),
                              lambda n: _time(recs, OURS_FP8, heads, n))):
         cells = [f"{a / b:.2f}" if (a := num(n)) is not None and (b := den(n)) else "-" for n in show]
         if any(c != "-" for c in cells):
             out.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = [f"{f:.2f}" if (f := _copy_fraction(recs, OURS_FP8, heads, n)) is not None else "-" for n in show]
+    if any(c != "-" for c in cells):
+        out.append("| fp8 of copy bandwidth (rows + query + output) | " + " | ".join(cells) + " |")
     return out
 
 
@@ -133,8 +148,9 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
     recs = decode_rows(data)
     lines = [
         f"Measured on {info.get('gpu', '?')} ({info.get('date', '?')}; torch {info.get('torch', '?')}, "
-        f"triton {info.get('triton', '?')}, peer: {info.get('flashinfer', '?')}). K = 2048, CUDA graphs, "
-        "inputs rotated past L2.",
+        f"triton {info.get('triton', '?')}, peer: {info.get('flashinfer', '?')}"
+        + (f"; FlashMLA: {info['flashmla']}" if info.get("flashmla") else "")
+        + "). K = 2048, CUDA graphs, inputs rotated past L2.",
         "",
         f"Ceilings: copy {_fmt(ceil.get('copy_GBps'), 0)} GB/s (read + written), BF16 matmul "
         f"{_fmt(ceil.get('bf16_TFLOPs'), 0)} TFLOP/s, FP8 matmul {_fmt(ceil.get('fp8_TFLOPs'), 0)} TFLOP/s.",

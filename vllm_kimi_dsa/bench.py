@@ -1,20 +1,24 @@
 """`python -m vllm_kimi_dsa bench --out DIR`: the one-GPU benchmark suite of the sparse MLA decode.
 
-Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads: triton-pv8/fp8) vs FlashInfer's
-SM90 fa3 peer, also a plain-torch baseline, the top-k converter vs a same-bytes copy, convert+decode in one graph, and
-the machine's copy / matmul ceilings every result is reported against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
+Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads: triton-pv8/fp8) vs the Hopper
+peers -- FlashInfer's SM90 fa3 (vLLM's FLASHINFER_MLA_SPARSE_SM90) and FlashMLA's sparse FP8 decode as vLLM's default
+FLASHMLA_SPARSE runs it (query padded to 64 / 128 heads) -- also a plain-torch baseline, the top-k converter vs a
+same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported
+against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
 
-    python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer]
+    python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer] [--peers fa3,flashmla] [--flashmla DIR]
     python3 benchmarks/bench_suite.py --out DIR ...          (the same suite, from a source checkout)
 
-Same data for every kernel: one fp8 cache of e4m3(8 x) rows (k_scale 1/8), its nvfp4_ds_mla packing of x and its
-exact BF16 dequantization (for the peer); per (rows, H) the same slots and queries (q_scale 1/4). Each row is a
-request of 2K tokens in its own random 64-row blocks and selects K = 2048 of them, as the indexer does. Timing: a CUDA
-graph of calls over several input sets (queries, outputs, cache windows) so one replay reads > 2x the 60 MB L2,
-median over replays; the peer is planned outside the graph (its plan syncs).
+Same data for every kernel: one fp8 cache of e4m3(8 x) rows (k_scale 1/8), its nvfp4_ds_mla packing of x, its exact
+BF16 dequantization (fa3) and that packed as 656 B fp8_ds_mla rows (FlashMLA); per (rows, H) the same slots and
+queries (q_scale 1/4). Each row is a request of 2K tokens in its own random 64-row blocks and selects K = 2048 of
+them, as the indexer does. Timing: a CUDA graph of calls over several input sets (queries, outputs, cache windows)
+so one replay reads > 2x the 60 MB L2, median over replays; the peers are planned outside the graph (fa3's plan
+syncs; FlashMLA's scheduler metadata is made once a batch shape).
 
-The peer (benchmarks/peer_fa3.py) lives in the source checkout, not in the package: an installed package runs the
-suite without it and says so in the JSON's info.flashinfer.
+The peers (benchmarks/peer_fa3.py, benchmarks/peer_flashmla.py with the harness prepare.sh unpacks into .carry/)
+live in the source checkout, not in the package: an installed package runs the suite without them and says so in
+the JSON's info.
 """
 
 from __future__ import annotations
@@ -42,23 +46,25 @@ from vllm_kimi_dsa import cli_types, envs
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, FP8_ROW_BYTES, pack_nvfp4
 from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
 
-# benchmarks/ of a source checkout (next to the package): where the fa3 peer's script is; absent in an install.
+# benchmarks/ of a source checkout (next to the package): where the peers' scripts are; absent in an install.
 PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-PEER_KV = ("bf16", "fp8")  # the KV dtypes the peer builds (peer_fa3.KV_DTYPES)
+PEER_KV = ("bf16", "fp8")  # the KV dtypes the fa3 peer builds (peer_fa3.KV_DTYPES)
+PEERS = ("fa3", "flashmla")  # fa3: FlashInfer's SM90 MLA wrapper; flashmla: FlashMLA's sparse FP8 decode (vLLM's)
+FLASHMLA_KIND = "flashmla/fp8_ds_mla"
 
 K = 2048
 BLOCK = 64
 SCALE = 1.0 / math.sqrt(192.0)  # K3's 1/sqrt(qk_nope + qk_rope)
 Q_SCALE, K_SCALE = 0.25, 0.125  # query e4m3(4 z), cache e4m3(8 x): powers of two so BF16 copies are exact
 FULL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 20, 32, 64, 80, 160, 320)
-FULL_HEADS = (128, 64, 32, 16, 12)
+FULL_HEADS = (128, 64, 32, 24, 16, 12, 8, 4)
 QUICK_ROWS = (1, 5, 64, 320)
 QUICK_HEADS = (128, 12)
-ERROR_SIZES = ((5, 128), (64, 16), (20, 12), (320, 128))
+ERROR_SIZES = ((5, 128), (64, 16), (20, 12), (320, 128), (64, 8), (20, 4), (80, 24))
 QUICK_ERROR_SIZES = ((5, 128),)
 TORCH_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (5, 16), (80, 16))
 FUSED_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (320, 128), (5, 12), (80, 12))
-ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM}
+ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM, "fp8_ds_mla": 656}
 MAX_SETS = 64
 # our kernel's rows of the tables: as the core binds it, with even plans only (--even), with VLLM_KIMI_DSA_FP8_PV=1
 OUR_FAMILIES = ("triton", "triton-even", "triton-pv8")
@@ -72,34 +78,42 @@ def log(*a: Any) -> None:
 
 
 class Data:
-    """The shared caches: fp8 rows, their nvfp4 packing and BF16 dequantization, each with room for windows."""
+    """The shared caches: fp8 rows, their nvfp4 packing, BF16 dequantization and fp8_ds_mla packing of that (the
+    last two for the peers), each with room for windows."""
 
-    def __init__(self, device: torch.device, base_rows: int, shift: int, with_bf16: bool) -> None:
+    def __init__(self, device: torch.device, base_rows: int, shift: int, with_bf16: bool,
+                 fp8_ds_mla: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """fp8_ds_mla: the packer of (n, 576) rows into 656-byte ones (peer_flashmla.quantize_fp8_ds_mla), or None."""
         self.device, self.base_rows, self.shift = device, base_rows, shift
         total = base_rows + shift * (MAX_SETS - 1)
         g = torch.Generator(device=device).manual_seed(2026)
         self.fp8 = torch.empty((total, HEAD_DIM), dtype=torch.float8_e4m3fn, device=device)
         self.nvfp4 = torch.empty((total, NVFP4_ROW_BYTES), dtype=torch.uint8, device=device)
         self.bf16 = torch.empty((total, HEAD_DIM), dtype=torch.bfloat16, device=device) if with_bf16 else None
+        self.fmla = (torch.empty((total, ROW_BYTES["fp8_ds_mla"]), dtype=torch.uint8, device=device)
+                     if fp8_ds_mla is not None else None)
         chunk = 65536
         for s in range(0, total, chunk):
             e = min(total, s + chunk)
             x = torch.randn((e - s, HEAD_DIM), device=device, generator=g)
             self.fp8[s:e] = (x / K_SCALE).to(torch.float8_e4m3fn)
-            x = self.fp8[s:e].float() * K_SCALE  # the values all three caches hold (nvfp4 up to its rounding)
+            x = self.fp8[s:e].float() * K_SCALE  # the values all the caches hold (nvfp4, fp8_ds_mla up to rounding)
             self.nvfp4[s:e] = pack_nvfp4(x)
             if self.bf16 is not None:
                 self.bf16[s:e] = x.to(torch.bfloat16)  # exact: e4m3 * 2^-3 fits BF16
+            if self.fmla is not None and fp8_ds_mla is not None:
+                self.fmla[s:e] = fp8_ds_mla(x.to(torch.bfloat16))  # the BF16 rows, as vLLM's writer packs them
         self.total = total
 
     def window(self, kind: str, s: int) -> torch.Tensor:
         """Rows [s*shift, s*shift + base_rows) of a cache: the same slots land on other rows per set."""
-        t = {"fp8": self.fp8, "nvfp4_ds_mla": self.nvfp4, "bf16": self.bf16}[kind]
+        t = {"fp8": self.fp8, "nvfp4_ds_mla": self.nvfp4, "bf16": self.bf16, "fp8_ds_mla": self.fmla}[kind]
         assert t is not None
         return t[s * self.shift: s * self.shift + self.base_rows]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.fp8, self.nvfp4, self.bf16) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.fp8, self.nvfp4, self.bf16, self.fmla)
+                   if t is not None)
 
 
 def n_sets(rows: int) -> int:
@@ -286,34 +300,40 @@ def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, comput
     }
 
 
-# ---------------------------------------------------------------- the peer (background build)
+# ---------------------------------------------------------------- the peers (background builds)
 
 
-def peer_module() -> ModuleType | None:
-    """benchmarks/peer_fa3.py as the module `peer_fa3` (the sections import it by that name); None without it."""
-    if not (PEER_DIR / "peer_fa3.py").is_file():
+def peer_module(name: str = "peer_fa3") -> ModuleType | None:
+    """benchmarks/<name>.py (peer_fa3, peer_flashmla) as the module `name` (the sections import it by that name);
+    None without it (an installed package)."""
+    if not (PEER_DIR / f"{name}.py").is_file():
         return None
     if str(PEER_DIR) not in sys.path:
         sys.path.insert(0, str(PEER_DIR))
-    return importlib.import_module("peer_fa3")
+    return importlib.import_module(name)
 
 
 class PeerBuilds:
-    """JIT builds of the fa3 modules in child processes (they overlap the Triton runs), plus small checks."""
+    """Builds of the peers in child processes (they overlap the Triton runs), plus small checks per head count:
+    fa3's JIT module per KV dtype ("fa3/bf16", "fa3/fp8"), FlashMLA's extension (FLASHMLA_KIND, from flashmla_dir)."""
 
-    def __init__(self, kinds: list[str], probe_heads: list[int]) -> None:
+    def __init__(self, kinds: list[str], probe_heads: list[int], flashmla_dir: str | None = None) -> None:
         self.procs: dict[str, tuple[subprocess.Popen[bytes], Any, float]] = {}
-        script = str(PEER_DIR / "peer_fa3.py")
-        for kv in kinds:
-            f = tempfile.NamedTemporaryFile(prefix=f"peer_build_{kv}_", suffix=".log", delete=False)
-            p = subprocess.Popen([sys.executable, script, "--build", kv,
-                                  "--probe-heads", ",".join(map(str, probe_heads))],
-                                 stdout=f, stderr=subprocess.STDOUT)
-            self.procs[kv] = (p, f, time.perf_counter())
+        heads = ",".join(map(str, probe_heads))
+        for kind in kinds:
+            family, kv = kind.split("/", 1)
+            if family == "fa3":
+                cmd = [sys.executable, str(PEER_DIR / "peer_fa3.py"), "--build", kv, "--probe-heads", heads]
+            else:
+                cmd = [sys.executable, str(PEER_DIR / "peer_flashmla.py"), "--build", flashmla_dir or "auto",
+                       "--build-dir", os.path.join(tempfile.gettempdir(), "fmla_build"), "--probe-heads", heads]
+            f = tempfile.NamedTemporaryFile(prefix=f"peer_build_{family}_{kv}_", suffix=".log", delete=False)
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+            self.procs[kind] = (p, f, time.perf_counter())
 
     def wait(self, timeout_s: float = 300.0) -> dict[str, Any]:
         res: dict[str, Any] = {}
-        for kv, (p, f, t0) in self.procs.items():
+        for kind, (p, f, t0) in self.procs.items():
             try:
                 rc = p.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
             except subprocess.TimeoutExpired:
@@ -322,13 +342,54 @@ class PeerBuilds:
             f.close()
             text = Path(f.name).read_text(errors="replace")
             lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
-            res[kv] = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": lines,
-                       "tail": text[-1500:] if rc else ""}
+            res[kind] = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": lines,
+                         "tail": text[-1500:] if rc else ""}
         return res
 
 
 def peer_heads_ok(build: dict[str, Any], heads: int) -> bool:
     return any(r.get("heads") == heads and r.get("ok") for r in build.get("records", []))
+
+
+_FLASHMLA_EXT: dict[str, Any] = {}
+
+
+def flashmla_ext(build: dict[str, Any]) -> Any:
+    """The FlashMLA extension the build child made (its .so loaded once a process)."""
+    so = next(r["so"] for r in build["records"] if r.get("so"))
+    if so not in _FLASHMLA_EXT:
+        mod = peer_module("peer_flashmla")
+        assert mod is not None
+        _FLASHMLA_EXT[so] = mod.load(so)
+    return _FLASHMLA_EXT[so]
+
+
+def make_peer_call(kind: str, build: dict[str, Any], data: Data, heads: int, rows: int, slots: torch.Tensor,
+                   counts: torch.Tensor | list[int], q16: torch.Tensor) -> tuple[Callable[..., torch.Tensor], str]:
+    """A planned peer call (q16 (rows, H, 576) bf16, window index s, out or None) -> its output, and the cache kind it
+    reads. fa3 writes `out`; FlashMLA returns its sliced output view (vLLM's), which the accuracy check copies."""
+    family, kv = kind.split("/", 1)
+    if family == "flashmla":
+        from peer_flashmla import FlashMLAPeer
+
+        p = FlashMLAPeer(flashmla_ext(build), heads, rows, K, sm_scale=SCALE * Q_SCALE)
+        p.plan(q16, data.window("fp8_ds_mla", 0), slots)  # the scheduler metadata, outside any graph
+
+        def run_fmla(q: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
+            o = p.run(q, data.window("fp8_ds_mla", s), slots)
+            return o if out is None else out.copy_(o)
+        return run_fmla, "fp8_ds_mla"
+    from peer_fa3 import make_peer
+
+    f = make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE, kv_scale=K_SCALE if kv == "fp8" else 1.0,
+                  device=slots.device)
+    f.plan(slots, counts)
+    kv_kind = "bf16" if kv == "bf16" else "fp8"
+
+    def run_fa3(q: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        assert out is not None
+        return f.run(q, data.window(kv_kind, s), out)
+    return run_fa3, kv_kind
 
 
 # ---------------------------------------------------------------- sections
@@ -404,21 +465,22 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
 
                     rec = suite.guarded(what, run_triton)
                 else:
-                    kv = kind.split("/", 1)[1]
-                    if peer is None or not peer.get(kv, {}).get("usable_heads", {}).get(heads, False):
+                    if peer is None or not peer.get(kind, {}).get("usable_heads", {}).get(heads, False):
                         continue
 
-                    def run_peer(kv: str = kv) -> dict[str, Any]:
-                        from peer_fa3 import make_peer
-
-                        p = make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE,
-                                      kv_scale=K_SCALE if kv == "fp8" else 1.0, device=dev)
-                        p.plan(slots, [K] * rows)
-                        kv_kind = "bf16" if kv == "bf16" else "fp8"
-                        calls = [lambda s=s: p.run(inp["q16"][s], data.window(kv_kind, s), inp["outs"][s])
-                                 for s in range(sets)]
+                    def run_peer(kind: str = kind) -> dict[str, Any]:
+                        call, kv_kind = make_peer_call(kind, peer[kind], data, heads, rows, slots, [K] * rows,
+                                                       inp["q16"][0])
+                        calls = [lambda s=s: call(inp["q16"][s], s, inp["outs"][s] if kv_kind != "fp8_ds_mla"
+                                                  else None) for s in range(sets)]
                         us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
-                        return {**what, "fmt": kv_kind, "sets": sets,
+                        extra = {}
+                        if kind == FLASHMLA_KIND:  # as vLLM: the query padded to the kernel's 64 / 128 heads
+                            from peer_flashmla import padded_heads
+
+                            extra = {"impl": f"FlashMLA sparse_decode_fwd, query padded {heads} -> "
+                                             f"{padded_heads(heads)} heads (q.new_zeros + copy, as vLLM)"}
+                        return {**what, "fmt": kv_kind, "sets": sets, **extra,
                                 **metrics(rows, heads, us, kv_kind, 2, "bf16", ceil)}
 
                     rec = suite.guarded(what, run_peer)
@@ -457,14 +519,11 @@ def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...
                     torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], inp["counts"], out)
                     ref = refs["fp8"]
                 else:
-                    if peer is None or not peer.get(fmt, {}).get("usable_heads", {}).get(heads, False):
+                    if peer is None or not peer.get(kind, {}).get("usable_heads", {}).get(heads, False):
                         return None
-                    from peer_fa3 import make_peer
-
-                    p = make_peer(fmt, heads, rows, K, sm_scale=SCALE * Q_SCALE,
-                                  kv_scale=K_SCALE if fmt == "fp8" else 1.0, device=dev)
-                    p.plan(inp["slots"], inp["counts"].cpu())
-                    p.run(inp["q16"], data.window("bf16" if fmt == "bf16" else "fp8", 0), out)
+                    call, _ = make_peer_call(kind, peer[kind], data, heads, rows, inp["slots"], inp["counts"].cpu(),
+                                             inp["q16"])
+                    call(inp["q16"], 0, out)
                     ref = refs["fp8"]
                 torch.cuda.synchronize()
                 o = out.float()
@@ -614,6 +673,25 @@ def _peer_kvs(text: str) -> tuple[str, ...]:
     return values
 
 
+def _peer_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of peers (argparse type)."""
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values or any(v not in PEERS for v in values):
+        raise argparse.ArgumentTypeError(f"expected peers among {PEERS}, got {text!r}")
+    return values
+
+
+SECTIONS = ("decode", "torch", "convert", "fused", "accuracy")
+
+
+def _section_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of suite sections (argparse type)."""
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values or any(v not in SECTIONS for v in values):
+        raise argparse.ArgumentTypeError(f"expected sections among {SECTIONS}, got {text!r}")
+    return values
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -628,8 +706,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options, on `ap` (its own parser, or the `bench` subcommand of python -m vllm_kimi_dsa)."""
     ap.add_argument("--out", required=True, help="directory for bench_suite.json")
     ap.add_argument("--quick", action="store_true", help="a subset (< 60 s on an H200)")
-    ap.add_argument("--no-peer", action="store_true", help="skip FlashInfer's fa3 peer")
-    ap.add_argument("--peer-kv", type=_peer_kvs, default=None, help="peer KV dtypes (default bf16,fp8; quick: bf16)")
+    ap.add_argument("--no-peer", action="store_true", help="skip every peer (FlashInfer's fa3, FlashMLA)")
+    ap.add_argument("--peers", type=_peer_names, default=PEERS,
+                    help=f"the peers to run where they are found (default {','.join(PEERS)})")
+    ap.add_argument("--peer-kv", type=_peer_kvs, default=None,
+                    help="fa3 peer KV dtypes (default bf16,fp8; quick: bf16)")
+    ap.add_argument("--flashmla", default=None,
+                    help="the FlashMLA harness folder (flashmla_bench, FlashMLA's sources beside it as flashmla; "
+                         "default $FLASHMLA_PEER_DIR, else the checkout's .carry/flashmla_bench)")
+    ap.add_argument("--sections", type=_section_names, default=SECTIONS,
+                    help=f"the suite's sections to run (default {','.join(SECTIONS)})")
     ap.add_argument("--rows", type=cli_types.batch_sizes, default=None, help="override the batch sizes, comma-separated")
     ap.add_argument("--heads", type=cli_types.head_counts, default=None, help="override the head counts, comma-separated")
     ap.add_argument("--reps-time", type=_positive_float, default=None, help="seconds of graph replays per point")
@@ -663,36 +749,50 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     heads_list = (QUICK_HEADS if args.quick else FULL_HEADS) if args.heads is None else args.heads
     rows_list = tuple(sorted(set(rows_list)))
 
-    # The peer: start its JIT builds first so they overlap everything else.
+    # The peers: start their builds first so they overlap everything else.
+    peers = () if args.no_peer else args.peers
     default_kv = ("bf16",) if args.quick else PEER_KV
-    peer_kinds = [] if args.no_peer else list(default_kv if args.peer_kv is None else args.peer_kv)
-    builds: PeerBuilds | None = None
-    peer_note = "skipped (--no-peer)" if args.no_peer else ""
-    if peer_kinds:
-        peer_mod = peer_module()
+    peer_kinds: list[str] = []
+    peer_note = "skipped (--no-peer / --peers)" if "fa3" not in peers else ""
+    if "fa3" in peers:
+        peer_mod = peer_module("peer_fa3")
         if peer_mod is None:
             peer_note = f"skipped: no {PEER_DIR / 'peer_fa3.py'} (an installed package; the peer runs from a checkout)"
             log(f"peer: {peer_note}")
         else:
             ok, why = peer_mod.available()
             if ok:
-                builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True))
+                peer_kinds += [f"fa3/{kv}" for kv in (default_kv if args.peer_kv is None else args.peer_kv)]
                 peer_note = f"flashinfer {why}"
             else:
                 peer_note = f"skipped: FlashInfer not importable here ({why})"
                 log(f"peer: {peer_note}")
+    flashmla_note = "skipped (--no-peer / --peers)" if "flashmla" not in peers else ""
+    fmla_mod = peer_module("peer_flashmla") if "flashmla" in peers else None
+    if "flashmla" in peers:
+        ok, why = fmla_mod.available(args.flashmla) if fmla_mod else (False, "no benchmarks/peer_flashmla.py")
+        if ok:
+            peer_kinds.append(FLASHMLA_KIND)
+            flashmla_note = f"FlashMLA sparse_decode_fwd from {why} (query padded to 64 / 128 heads, as vLLM)"
+        else:
+            flashmla_note = f"skipped: {why}"
+            log(f"peer flashmla: {flashmla_note}")
+    builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True),
+                        str(fmla_mod.harness_dir(args.flashmla)) if FLASHMLA_KIND in peer_kinds else None) \
+        if peer_kinds else None
 
     import triton
 
     props = torch.cuda.get_device_properties(dev)
     suite.info = {
         "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "flashinfer": peer_note, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
+        "triton": triton.__version__, "flashinfer": peer_note, "flashmla": flashmla_note,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
             timespec="seconds"), "argv": sys.argv[1:], "quick": args.quick, "K": K, "block_size": BLOCK,
         "scales": {"scale": SCALE, "q_scale": Q_SCALE, "k_scale": K_SCALE},
         "timing": "CUDA graph over `sets` input sets (queries, outputs, cache windows), median replay / sets",
         "floor": "max((KV + query + latent bytes) / copy_GBps, flops / matmul rate of the kernel's compute dtype: "
-                 "triton = Q.K at the FP8 rate + P.V at the BF16 rate; peer and torch = BF16)",
+                 "triton = Q.K at the FP8 rate + P.V at the BF16 rate; peers and torch = BF16)",
         "tflops": "2*rows*H*K*(576+512)/t", "kv_GBps": "rows*K*row_bytes/t",
     }
     log(json.dumps(suite.info))
@@ -702,18 +802,23 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         f"TFLOP/s, fp8 {ceil['fp8_TFLOPs'] or float('nan'):.0f} TFLOP/s")
 
     base_rows = (1 << 20) if args.quick else (1 << 21)  # 2^21 rows: 320 requests' 2K tokens in distinct blocks
-    data = Data(dev, base_rows, shift=4096, with_bf16=bool(builds))
+    data = Data(dev, base_rows, shift=4096, with_bf16=any(k.startswith("fa3/") for k in peer_kinds),
+                fp8_ds_mla=fmla_mod.quantize_fp8_ds_mla if FLASHMLA_KIND in peer_kinds else None)
     suite.info["cache"] = {"base_rows": base_rows, "shift_rows": data.shift, "total_rows": data.total,
                            "bytes": data.nbytes()}
     log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
     suite.dump()
 
     ours = ["triton/fp8", "triton/nvfp4_ds_mla", "triton-pv8/fp8"] + (["triton-even/fp8"] if args.even else [])
-    decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
-    if not args.quick:
+    sections = set(args.sections)
+    if "decode" in sections:
+        decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
+    if not args.quick and "torch" in sections:
         torch_section(suite, data, ceil, TORCH_SIZES)
-    convert_section(suite, data, ceil, rows_list if not args.quick else (5, 320))
-    fused_section(suite, data, ceil, FUSED_SIZES if not args.quick else ((5, 128), (320, 128)))
+    if "convert" in sections:
+        convert_section(suite, data, ceil, rows_list if not args.quick else (5, 320))
+    if "fused" in sections:
+        fused_section(suite, data, ceil, FUSED_SIZES if not args.quick else ((5, 128), (320, 128)))
 
     peer: dict[str, Any] | None = None
     kinds = list(ours)
@@ -721,18 +826,23 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         log(f"{suite.elapsed()} waiting for the peer builds")
         b = builds.wait()
         peer = {}
-        for kv, res in b.items():
+        for kind, res in b.items():
             res["usable_heads"] = {h: peer_heads_ok(res, h) for h in heads_list}
-            peer[kv] = res
-            log(f"{suite.elapsed()} peer {kv}: rc={res['rc']} wall={res['wall_s']}s usable heads "
+            peer[kind] = res
+            log(f"{suite.elapsed()} peer {kind}: rc={res['rc']} wall={res['wall_s']}s usable heads "
                 f"{[h for h, ok in res['usable_heads'].items() if ok]} {res['tail'][-300:]}")
-        suite.info["peer_builds"] = {kv: {k: v for k, v in res.items()} for kv, res in peer.items()}
+        suite.info["peer_builds"] = {kind: {k: v for k, v in res.items()} for kind, res in peer.items()}
         suite.info["peer_builds"] = json.loads(json.dumps(suite.info["peer_builds"], default=str))
         suite.dump()
-        peer_kinds_ok = [f"fa3/{kv}" for kv in peer if any(peer[kv]["usable_heads"].values())]
-        decode_section(suite, data, ceil, rows_list, heads_list, peer_kinds_ok, peer)
+        peer_kinds_ok = [kind for kind in peer if any(peer[kind]["usable_heads"].values())]
+        if "decode" in sections:
+            decode_section(suite, data, ceil, rows_list, heads_list, peer_kinds_ok, peer)
         kinds += peer_kinds_ok
-    accuracy_section(suite, data, QUICK_ERROR_SIZES if args.quick else ERROR_SIZES, kinds, peer)
+    if "accuracy" in sections:
+        sizes = QUICK_ERROR_SIZES if args.quick else ERROR_SIZES
+        if args.heads is not None:  # the error sizes of the head counts asked for
+            sizes = tuple(sz for sz in sizes if sz[1] in heads_list) or sizes[:1]
+        accuracy_section(suite, data, sizes, kinds, peer)
 
     suite.info["wall_s"] = round(time.perf_counter() - suite.t0, 1)
     suite.dump()
