@@ -153,7 +153,8 @@ def test_source_reference_is_the_loop_on_float_rows(case):
     got = source_reference_decode(query, dequantize_rows(kv_rows, case.fmt), slots, counts, softmax_scale=ss,
                                   output_scale=os_)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    noisy = dequantize_rows(kv_rows, case.fmt) * (1 + 0.01 * torch.randn(kv_rows.shape[0], HEAD_DIM))
+    g = torch.Generator().manual_seed(case.seed + 100)  # seeded; unseeded, 3000 draws a case gave rel <= 0.019
+    noisy = dequantize_rows(kv_rows, case.fmt) * (1 + 0.01 * torch.randn(kv_rows.shape[0], HEAD_DIM, generator=g))
     off = source_reference_decode(query, noisy, slots, counts, softmax_scale=ss, output_scale=os_)[0]
     assert 0 < float((off - want[0]).norm() / want[0].norm()) < 0.05
     with pytest.raises(ValueError, match="source_rows"):
