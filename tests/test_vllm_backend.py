@@ -216,6 +216,39 @@ def test_vllms_constructor_builds_this_impl(tmp_path):
     assert step.core.softmax_scale == pytest.approx(impl.scale * Q_SCALE * K_SCALE)
 
 
+def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monkeypatch):
+    """vLLM's post-load hook builds the step and logs, once a process (info_once), the line the README names."""
+    from vllm_kimi_dsa import __version__, vllm_backend
+
+    said: list[str] = []
+    monkeypatch.setattr(vllm_backend.logger, "info_once", lambda msg, *a, **k: said.append(msg % a if a else msg))
+    layer, _ = _layer(_config(tmp_path, dcp=1), heads=16, rows=4)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    assert len(said) == 1, said
+    line = said[0]
+    assert line.startswith(f"vllm_kimi_dsa {__version__} serves FLASHINFER_MLA_SPARSE on cpu: ")
+    for part in ("Triton kernels", "kv-cache fp8", "16 query heads", "planned rows 1-4", "top-k width 128"):
+        assert part in line, (part, line)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"{vllm_backend.STARTUP_PREFIX} <version> serves FLASHINFER_MLA_SPARSE on" in readme
+
+
+def test_startup_line_names_the_blackwell_kernel_table_and_dcp(monkeypatch):
+    from vllm_kimi_dsa.serving import LayerStep, StepShape
+    from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer
+    from vllm_kimi_dsa.vllm_backend import startup_line
+
+    shape = StepShape(device=torch.device("cpu"), heads=16, width=WIDTH, fmt="fp8", max_rows=4, return_lse=True,
+                      dcp=2)
+    step = LayerStep(StandInImpl(kv_cache_dtype="fp8"), StandInLayer(), shape, kernels=dict.fromkeys(range(1, 5),
+                                                                                                      "triton"))
+    step.kernels = {1: "trtllm", 2: "trtllm", 3: "prims_ts", 4: "prims_ts"}  # as kernel_table picks on SM100
+    line = startup_line(step, torch.device("cpu"))
+    assert "1-2:trtllm,3-4:prims_ts from the built-in table" in line and "(8 a rank x DCP 2)" in line
+    monkeypatch.setenv(envs.KERNEL_TABLE, "/tables/b200.json")
+    assert "from /tables/b200.json ($VLLM_KIMI_DSA_KERNEL_TABLE)" in startup_line(step, torch.device("cpu"))
+
+
 def _metadata(meta, rows: int, *, decode: bool):
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseMetadata
 

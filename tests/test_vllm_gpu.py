@@ -38,6 +38,7 @@ from vllm_kimi_dsa.convert import convert_topk_reference  # noqa: E402
 from vllm_kimi_dsa.formats import flat_kv_row_view  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
 
+DEVICE = torch.device("cuda")
 REPORT: dict[str, dict] = {}
 
 
@@ -75,6 +76,9 @@ def test_decode_batch(tmp_path_factory, heads):
     out = r.forward(batch)
     assert r.impl._step_scales == (r.q_scale, r.k_scale), "the step must run at the layer's scales"
     found = REPORT[f"decode_h{heads}"] = check_step(r, batch, out)
+    from vllm_kimi_dsa.vllm_backend import startup_line
+
+    found["startup_line"] = startup_line(r.impl._step, DEVICE)
     assert found["is_decode"] is True
 
 
@@ -210,7 +214,7 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     outs, lses, layers = [], [], []
     for rank, (cache, meta) in enumerate(ranks):
         monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r_=rank: (dcp, r_))
-        buffer = torch.full((rows, width), -1, dtype=torch.int32, device="cuda")
+        buffer = torch.full((rows, width), -1, dtype=torch.int32, device=DEVICE)
         buffer[:rows] = topk
         layer = rig.mla_layer(config, heads=heads_per_rank, topk_buffer=buffer,
                               prefix=f"model.layers.{rank}.self_attn.attn")
@@ -219,8 +223,8 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
         assert (layer.impl.dcp_world_size, layer.impl.dcp_rank) == (dcp, rank) and layer.impl.lse_base_on_e
         metadata = FlashInferMLASparseMetadata(
             num_reqs=rows, max_query_len=1, max_seq_len=4 * width, num_actual_tokens=rows,
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
-            slot_mapping=torch.zeros(rows, dtype=torch.int64, device="cuda"), num_decodes=rows,
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
+            slot_mapping=torch.zeros(rows, dtype=torch.int64, device=DEVICE), num_decodes=rows,
             num_decode_tokens=rows, num_prefills=0, block_table=meta.block_table,
             req_id_per_token=meta.req_id_per_token, block_size=rig.BLOCK, topk_tokens=width,
             cp_kv_cache_interleave_size=interleave,
@@ -235,7 +239,7 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_Q_GATHER", "0")
     with set_current_vllm_config(config):
         manager = dcp_ops.MLADCPManager(
-            config, torch.device("cuda"), num_heads=heads_per_rank, query_head_dim=576, output_head_dim=512,
+            config, DEVICE, num_heads=heads_per_rank, query_head_dim=576, output_head_dim=512,
             query_dtype=torch.float8_e4m3fn, output_dtype=torch.bfloat16, padded_num_heads=None,
             is_lse_base_on_e=layers[0].impl.lse_base_on_e, use_pcp=False,
         )

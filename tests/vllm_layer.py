@@ -418,7 +418,7 @@ def rope_interleaved(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: vLLM caches workspaces per group
 class RankGroup:
     """An in-process stand-in for a DCP group of `world_size` ranks, one thread a rank (a real NCCL group cannot put
     two ranks on one GPU): all_gather and reduce_scatter exchange tensors through a barrier. It implements what

@@ -108,6 +108,66 @@ def _uses_hisparse(vllm_config: Any) -> bool:
     return getattr(attention_config, "hisparse_config", None) is not None
 
 
+STARTUP_PREFIX = "vllm_kimi_dsa"
+
+
+def _kernel_family(step: LayerStep) -> str:
+    """What runs a step's decodes: on Hopper the Triton/Gluon kernel family of each plan, on Blackwell the kernel
+    table (which kernel for which rows, and where the table came from)."""
+    from vllm_kimi_dsa import selection
+    from vllm_kimi_dsa.envs import kernel_table_path
+
+    if set(step.kernels.values()) != {"triton"}:
+        runs: list[list] = []  # [first rows, last rows, kernel]: the table as a spec string, "1-32:trtllm,..."
+        for rows, name in sorted(step.kernels.items()):
+            if runs and runs[-1][2] == name and runs[-1][1] == rows - 1:
+                runs[-1][1] = rows
+            else:
+                runs.append([rows, rows, name])
+        spec = ",".join(f"{lo}-{hi}:{name}" if hi > lo else f"{lo}:{name}" for lo, hi, name in runs)
+        path = kernel_table_path()
+        source = f"{path} (${selection.KERNEL_TABLE_ENV})" if path else "the built-in table (unmeasured priors)"
+        return f"{spec} from {source}"
+    families: set[str] = set()
+    kernels = {id(k): k for k in (step.core.decode_kernel(rows) for rows in step.kernels)}
+    for kernel in kernels.values():
+        for first, tail in getattr(kernel, "plan_params", {}).values():
+            families.update((_params_name(first), _params_name(tail)))
+    return " + ".join(sorted(families)) + " (this package's Triton kernels)"
+
+
+def _params_name(params: Any) -> str:
+    if params is None:
+        return "plain Triton"
+    kind = type(params).__name__
+    if kind == "SeesawParams":
+        form = " e4m3 P.V" if getattr(params, "pv_fp8", False) else ""
+        return "Gluon seesaw" + (" nvfp4" if getattr(params, "nvfp4", False) else form)
+    if kind == "FewHeadsParams":
+        return "Gluon few-heads" + (" nvfp4" if getattr(params, "nvfp4", False) else "")
+    if kind == "GluonParams":
+        return "Gluon gluon_decode"
+    return kind
+
+
+def startup_line(step: LayerStep, device: torch.device) -> str:
+    """The INFO line a worker logs once when the backend serves its DSA layers (README: "Use it in vLLM")."""
+    from vllm_kimi_dsa import __version__
+
+    shape = step.shape
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        gpu = f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
+    else:
+        gpu = str(device)
+    dcp = f" ({shape.heads // shape.dcp} a rank x DCP {shape.dcp})" if shape.dcp > 1 else ""
+    return (
+        f"{STARTUP_PREFIX} {__version__} serves FLASHINFER_MLA_SPARSE on {gpu}: {_kernel_family(step)}; "
+        f"kv-cache {shape.fmt}; {shape.heads} query heads{dcp}; planned rows 1-{shape.max_rows} "
+        f"(larger batches in pieces), top-k width {shape.width}"
+    )
+
+
 class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     """FLASHINFER_MLA_SPARSE on SM90 and SM100/103, with the sparse decode through FlashInferCore.
 
@@ -223,7 +283,8 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             )
         self._step = LayerStep(self, layer, self.step_shape(device, width))
         self._step_scales = (float(layer._q_scale_float), float(layer._k_scale_float))
-        logger.debug("sparse decode of %s: %s", getattr(layer, "layer_name", "a DSA layer"), self._step.kernels[1])
+        # Once a process (every layer gives the same line): the worker's logging is configured by now.
+        logger.info_once(startup_line(self._step, device))
         return self._step
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -271,6 +332,8 @@ __all__ = [
     "KimiDSAFlashInferMLASparseBackend",
     "KimiDSAFlashInferMLASparseImpl",
     "NVFP4_WRITER_NEEDS_SM100",
+    "STARTUP_PREFIX",
     "core_rejects",
+    "startup_line",
     "vllm_path_takes",
 ]
