@@ -67,20 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (5 if args.quick else 10)
     warmup = 1 if args.quick else 2
     # ours first (the peer's build overlaps it), then the peer on the same data
-    section = bp.run_prefill_section(dev, ceil, cases=args.cases, heads=args.heads, max_rows=args.max_rows,
-                                     reps=reps, warmup=warmup)
-    if build is not None:
-        peers, binfo = build.wait()
-        info["peer_build"] = binfo
-        print(f"peer build: rc={binfo['rc']} {binfo['wall_s']} s, usable {sorted(peers)} {binfo['tail'][-400:]}",
-              flush=True)
-        if peers:
-            theirs = bp.run_prefill_section(dev, ceil, cases=args.cases, heads=args.heads, max_rows=args.max_rows,
-                                            reps=reps, warmup=warmup, peers={k: f for k, (f, _) in peers.items()},
-                                            ours=False)
-            for key in ("results", "accuracy", "failures"):
-                section[key] += theirs[key]
-            section["ratios"] = bp.ratios(section["results"])
+    section = bp.prefill_suite(dev, ceil, build, cases=args.cases, heads=args.heads, max_rows=args.max_rows,
+                               reps=reps, warmup=warmup, log=lambda m: print(m, flush=True))
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     (out / "bench_prefill.json").write_text(json.dumps({"info": info, "prefill": section}, indent=1, default=str))
     table = bp.prefill_table(section)

@@ -206,11 +206,25 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
         for r in sorted(base, key=lambda r: (-r["heads"], r["rows"])):
             lines.append(f"| {r['rows']} | {r['heads']} | {r['us']:.1f} | {r['tflops']:.1f} |")
         lines.append("")
+    if data.get("prefill"):
+        lines += ["**Prefill** (one chunk through serving.LayerStep, eager, vs FlashMLA's sparse prefill as vLLM runs "
+                  "it; µs (TFLOP/s-eq; fraction of the floor))", "", prefill_markdown(data["prefill"]), ""]
     fails = data.get("failures", [])
     if fails:
         lines.append(f"{len(fails)} measurement(s) failed: " + "; ".join(
             f"{f.get('kernel')} rows={f.get('rows')} H={f.get('heads')}: {f.get('error', '')[:80]}" for f in fails[:5]))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def prefill_markdown(section: dict[str, Any]) -> str:
+    """The prefill section's table, as vllm_kimi_dsa.bench_prefill renders it (the package from this checkout)."""
+    if str(HERE.parent) not in sys.path:
+        sys.path.insert(0, str(HERE.parent))
+    try:
+        from vllm_kimi_dsa.bench_prefill import prefill_table
+    except ImportError as err:
+        return f"(prefill table not rendered: {err})"
+    return prefill_table(section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,14 +128,20 @@ def fake_sparse_fwd(calls: list[dict]):
 
 
 def test_section_end_to_end_in_the_interpreter() -> None:
-    """The section on a tiny chunk (2 requests x 5 tokens, pieces of 4 rows, -1 tails): our LayerStep's latent and
-    the peer path's (padded query, workspace offsets, topk_length) both match the float32 reference."""
+    """The section as the bench runs it on a tiny chunk (2 requests x 5 tokens, pieces of 4 rows, -1 tails): our
+    LayerStep's latent, then (after the build) the peer path's on the same inputs remade from their seed (padded
+    query, workspace offsets, topk_length), both match the float32 reference."""
     calls: list[dict] = []
     logs: list[str] = []
-    section = bp.run_prefill_section(
-        "cpu", CEIL, cases=((2, 5),), heads=(16,), reps=1, warmup=0, kernels=dict.fromkeys(range(1, 5), "triton"),
-        peers={"fake/bf16": fake_sparse_fwd(calls)}, log=logs.append, **TINY)
+
+    class Build:  # what PeerBuild.wait gives once the child's checks passed
+        def wait(self):
+            return {"fake/bf16": (fake_sparse_fwd(calls), [])}, {"rc": 0, "wall_s": 1.0, "records": [], "tail": ""}
+
+    section = bp.prefill_suite("cpu", CEIL, Build(), cases=((2, 5),), heads=(16,), reps=1, warmup=0,
+                               kernels=dict.fromkeys(range(1, 5), "triton"), log=logs.append, **TINY)
     assert section["failures"] == [], section["failures"]
+    assert section["info"]["peer_build"]["rc"] == 0
     ours, peer = section["results"]
     assert ours["kernel"] == bp.OURS and ours["pieces"] == 3 and ours["rows"] == 10 and ours["heads"] == 16
     assert ours["impl"].startswith("triton") and ours["piece_copy_floor_us"] > 0
@@ -151,7 +157,7 @@ def test_section_end_to_end_in_the_interpreter() -> None:
                                   "ours_over_peer_with_gather": section["ratios"][0]["ours_over_peer_with_gather"]}]
     table = bp.prefill_table(section)
     assert "| layerstep/fp8 |" in table and "2x5 H=16" in table and "ours / fake/bf16" in table
-    assert len(logs) == 2
+    assert len(logs) == 3  # ours, the build's report, the peer
 
 
 def test_section_without_the_peer_and_a_failure_recorded() -> None:
@@ -175,3 +181,56 @@ def test_make_api_reduces_flashmla_to_the_sm90_prefill() -> None:
     src = mod.reduce_api((root / "csrc" / "api" / "sparse_fwd.h").read_text())
     assert "sm100::" not in src and "Sm100" not in src and "sm100/" not in src  # no SM100 kernel, class or header
     assert "run_fwd_phase1_kernel<576, HAVE_TOPK_LENGTH>" in src and '"sparse_prefill_fwd"' in src
+
+
+def test_bench_options_run_the_prefill_section() -> None:
+    """`python -m vllm_kimi_dsa bench --sections prefill` is the prefill section alone; --flashmla-prefill names the
+    peer's harness; the default suite lists it among its sections."""
+    from vllm_kimi_dsa import bench
+
+    ap = bench.build_parser()
+    args = ap.parse_args(["--out", "x", "--sections", "prefill", "--flashmla-prefill", "h", "--peers", "flashmla"])
+    assert args.sections == ("prefill",) and args.flashmla_prefill == "h" and args.peers == ("flashmla",)
+    assert "prefill" in bench.SECTIONS and ap.parse_args(["--out", "x"]).flashmla_prefill is None
+
+
+def test_harness_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's harness: an explicit folder, else $FLASHMLA_PREFILL_DIR; incomplete ones say what is missing."""
+    peer = bp.peer_module()
+    monkeypatch.delenv(peer.ENV_SO, raising=False)
+    monkeypatch.setattr(peer, "CHECKOUT_DIR", tmp_path / "nowhere")
+    ok, why = peer.available(tmp_path)
+    assert not ok and "prepare.sh" in why
+    harness = tmp_path / "flashmla_prefill"
+    (harness / "objs").mkdir(parents=True)
+    (harness / "api_prefill.cpp").write_text("// generated")
+    ok, why = peer.available(harness)
+    assert not ok and "phase1_k576_topklen.o" in why and "flashmla" in why
+    for name in ("phase1_k576_topklen.o", "phase1_k576.o"):
+        (harness / "objs" / name).write_bytes(b"\0")
+    (tmp_path / "flashmla" / "csrc").mkdir(parents=True)
+    assert peer.available(harness) == (True, str(harness.resolve()))
+    monkeypatch.setenv(peer.ENV_DIR, str(harness))
+    assert peer.harness_dir() == harness.resolve()
+    build, note = bp.start_peer_build(str(tmp_path / "nowhere"), (16,))  # $FLASHMLA_PREFILL_DIR still finds it
+    assert build is not None and note == f"building from {harness.resolve()}"
+    build.proc.kill()
+    build.proc.wait()
+    build.log.close()
+
+
+def test_plot_renders_the_prefill_section() -> None:
+    """benchmarks/plot.py's README table carries the prefill table when the JSON has the section."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_for_prefill", bp.PEER_DIR.parents[1] / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    res = [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "us": 4000.0, "tflops": 585.0, "of_floor": 0.6},
+           {"kernel": "flashmla/bf16", "case": "1x4096", "heads": 128, "us": 3500.0, "tflops": 669.0,
+            "of_floor": 0.87, "gather_us": 12.0, "gather_floor_us": 3.6}]
+    section = {"results": res, "ratios": bp.ratios(res),
+               "accuracy": [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "rel_l2": 2e-3, "nonfinite": 0}]}
+    md = plot.markdown({"info": {}, "results": [], "prefill": section})
+    assert "**Prefill**" in md and "| layerstep/fp8 | 4000.0 (585; 0.60) |" in md
+    assert "| ours / flashmla/bf16 (time; with its gather floor) | 1.14 (1.14) |" in md

@@ -16,6 +16,10 @@ them, as the indexer does. Timing: a CUDA graph of calls over several input sets
 so one replay reads > 2x the 60 MB L2, median over replays; the peers are planned outside the graph (fa3's plan
 syncs; FlashMLA's scheduler metadata is made once a batch shape).
 
+The prefill section (bench_prefill, `--sections prefill` alone): 1 x 4096 and 4 x 1024 query tokens at H = 128 / 16
+through serving.LayerStep as vLLM calls it, against FlashMLA's sparse prefill as vLLM runs it (with --peers flashmla;
+benchmarks/peers/flashmla_prefill/prepare.sh makes its harness); the JSON's "prefill" key, bench_prefill.md.
+
 The peers (benchmarks/peer_fa3.py, benchmarks/peer_flashmla.py with the harness prepare.sh unpacks into .carry/)
 live in the source checkout, not in the package: an installed package runs the suite without them and says so in
 the JSON's info.
@@ -405,10 +409,13 @@ class Suite:
         self.accuracy: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
+        self.prefill: dict[str, Any] | None = None  # bench_prefill's section, when it ran
         self.t0 = time.perf_counter()
 
     def dump(self) -> None:
         payload = {"info": self.info, "results": self.results, "accuracy": self.accuracy, "failures": self.failures}
+        if self.prefill is not None:
+            payload["prefill"] = self.prefill
         tmp = self.out_dir / "bench_suite.json.tmp"
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, self.out_dir / "bench_suite.json")
@@ -681,7 +688,7 @@ def _peer_names(text: str) -> tuple[str, ...]:
     return values
 
 
-SECTIONS = ("decode", "torch", "convert", "fused", "accuracy")
+SECTIONS = ("decode", "torch", "convert", "fused", "accuracy", "prefill")  # torch and prefill: not in --quick
 
 
 def _section_names(text: str) -> tuple[str, ...]:
@@ -714,6 +721,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flashmla", default=None,
                     help="the FlashMLA harness folder (flashmla_bench, FlashMLA's sources beside it as flashmla; "
                          "default $FLASHMLA_PEER_DIR, else the checkout's .carry/flashmla_bench)")
+    ap.add_argument("--flashmla-prefill", default=None,
+                    help="the prefill peer's harness folder (objs/, api_prefill.cpp; default $FLASHMLA_PREFILL_DIR, "
+                         "else the checkout's .carry/flashmla_prefill)")
     ap.add_argument("--sections", type=_section_names, default=SECTIONS,
                     help=f"the suite's sections to run (default {','.join(SECTIONS)})")
     ap.add_argument("--rows", type=cli_types.batch_sizes, default=None, help="override the batch sizes, comma-separated")
@@ -777,9 +787,18 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         else:
             flashmla_note = f"skipped: {why}"
             log(f"peer flashmla: {flashmla_note}")
+    # the prefill section: in the full suite, or asked for by --sections (quick or not); its peer builds meanwhile
+    from vllm_kimi_dsa import bench_prefill
+
+    want_prefill = "prefill" in args.sections and (not args.quick or args.sections != SECTIONS)
+    prefill_heads = bench_prefill.HEADS if args.heads is None else args.heads
+    prefill_build, prefill_note = None, "skipped (--no-peer / --peers)" if "flashmla" not in peers else ""
+    if want_prefill and "flashmla" in peers:
+        prefill_build, prefill_note = bench_prefill.start_peer_build(args.flashmla_prefill, prefill_heads)
+    decode_data = bool(set(args.sections) - {"prefill"})  # --sections prefill alone: no decode data, no decode peers
     builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True),
                         str(fmla_mod.harness_dir(args.flashmla)) if FLASHMLA_KIND in peer_kinds else None) \
-        if peer_kinds else None
+        if peer_kinds and decode_data else None
 
     import triton
 
@@ -787,6 +806,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     suite.info = {
         "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
         "triton": triton.__version__, "flashinfer": peer_note, "flashmla": flashmla_note,
+        "flashmla_prefill": prefill_note if want_prefill else "skipped (section not run)",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
             timespec="seconds"), "argv": sys.argv[1:], "quick": args.quick, "K": K, "block_size": BLOCK,
         "scales": {"scale": SCALE, "q_scale": Q_SCALE, "k_scale": K_SCALE},
@@ -802,11 +822,12 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         f"TFLOP/s, fp8 {ceil['fp8_TFLOPs'] or float('nan'):.0f} TFLOP/s")
 
     base_rows = (1 << 20) if args.quick else (1 << 21)  # 2^21 rows: 320 requests' 2K tokens in distinct blocks
-    data = Data(dev, base_rows, shift=4096, with_bf16=any(k.startswith("fa3/") for k in peer_kinds),
-                fp8_ds_mla=fmla_mod.quantize_fp8_ds_mla if FLASHMLA_KIND in peer_kinds else None)
-    suite.info["cache"] = {"base_rows": base_rows, "shift_rows": data.shift, "total_rows": data.total,
-                           "bytes": data.nbytes()}
-    log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
+    if decode_data:
+        data = Data(dev, base_rows, shift=4096, with_bf16=any(k.startswith("fa3/") for k in peer_kinds),
+                    fp8_ds_mla=fmla_mod.quantize_fp8_ds_mla if FLASHMLA_KIND in peer_kinds else None)
+        suite.info["cache"] = {"base_rows": base_rows, "shift_rows": data.shift, "total_rows": data.total,
+                               "bytes": data.nbytes()}
+        log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")
     suite.dump()
 
     ours = ["triton/fp8", "triton/nvfp4_ds_mla", "triton-pv8/fp8"] + (["triton-even/fp8"] if args.even else [])
@@ -844,13 +865,22 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
             sizes = tuple(sz for sz in sizes if sz[1] in heads_list) or sizes[:1]
         accuracy_section(suite, data, sizes, kinds, peer)
 
+    if want_prefill:
+        reps, warmup = (5, 1) if args.quick else (10, 2)
+        suite.prefill = bench_prefill.prefill_suite(dev, ceil, prefill_build, heads=prefill_heads, reps=reps,
+                                                    warmup=warmup, log=lambda m: log(f"{suite.elapsed()} {m}"))
+        (suite.out_dir / "bench_prefill.md").write_text(bench_prefill.prefill_table(suite.prefill) + "\n")
+
     suite.info["wall_s"] = round(time.perf_counter() - suite.t0, 1)
     suite.dump()
     log(summary_table(suite.results))
+    if suite.prefill is not None:
+        log(bench_prefill.prefill_table(suite.prefill))
     for a in suite.accuracy:
         log(f"accuracy {a['kernel']:<22} rows={a['rows']:<4} H={a['heads']:<4} rel L2 {a['rel_l2']:.2e}")
-    log(f"failures: {len(suite.failures)}; wall {suite.info['wall_s']} s; wrote {suite.out_dir / 'bench_suite.json'}")
-    return 0 if not suite.failures else 1
+    failed = len(suite.failures) + len(suite.prefill["failures"] if suite.prefill else [])
+    log(f"failures: {failed}; wall {suite.info['wall_s']} s; wrote {suite.out_dir / 'bench_suite.json'}")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -540,6 +540,28 @@ def prefill_table(section: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def prefill_suite(device: torch.device | str, ceil: dict[str, Any], build: PeerBuild | None, *,
+                  cases: Sequence[tuple[int, int]] = CASES, heads: Sequence[int] = HEADS, width: int = K,
+                  prior: int = K, max_rows: int = MAX_ROWS, reps: int = 10, warmup: int = 2,
+                  kernels: dict[int, str] | None = None, log: Callable[..., None] = print) -> dict[str, Any]:
+    """The section as the bench runs it: our side first (while the peer's build, started earlier, goes on), then
+    each peer build whose small cases passed, on the same inputs (remade from the same seeds). The build's report
+    lands in the section's info.peer_build. build: start_peer_build's (anything with PeerBuild.wait) or None."""
+    kw = dict(cases=cases, heads=heads, width=width, prior=prior, max_rows=max_rows, reps=reps, warmup=warmup,
+              kernels=kernels, log=log)
+    section = run_prefill_section(device, ceil, **kw)
+    if build is not None:
+        found, info = build.wait()
+        section["info"]["peer_build"] = json.loads(json.dumps(info, default=str))
+        log(f"prefill peer build: rc={info['rc']} {info['wall_s']} s, usable {sorted(found)} {info['tail'][-400:]}")
+        if found:
+            theirs = run_prefill_section(device, ceil, peers={k: f for k, (f, _) in found.items()}, ours=False, **kw)
+            for key in ("results", "accuracy", "failures"):
+                section[key] += theirs[key]
+            section["ratios"] = ratios(section["results"])
+    return section
+
+
 def start_peer_build(harness: str | None, heads: Sequence[int]) -> tuple[PeerBuild | None, str]:
     """The background build of the peer when its harness is here: (PeerBuild or None, a note for the JSON)."""
     mod = peer_module()
@@ -554,6 +576,6 @@ def start_peer_build(harness: str | None, heads: Sequence[int]) -> tuple[PeerBui
 
 __all__ = [
     "CASES", "HEADS", "MAX_ROWS", "PrefillCase", "PrefillInputs", "context_rows", "gather_workspace",
-    "make_prefill_inputs", "prefill_floor", "prefill_table", "run_prefill_section", "sample_rows",
+    "make_prefill_inputs", "prefill_floor", "prefill_suite", "prefill_table", "run_prefill_section", "sample_rows",
     "start_peer_build", "workspace_indices",
 ]
