@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,31 +125,54 @@ def test_global_data_is_the_same_for_the_same_seed():
 # ---------------------------------------------------------------- the script on two gloo ranks
 
 
-def _run_ranks(world: int, out: Path, extra: list[str], timeout: float = 150.0) -> list[subprocess.CompletedProcess]:
+# The script's two ranks take about 19 s of CPU together here and wait for each other at every case, so on a loaded
+# 2-core machine their wall time grows with the load (19-55 s measured beside other test runs). The deadline only ends
+# a hang: it is past the script's own process-group timeout (5 minutes), so a stuck collective ends as the script's
+# error, with its log, not as this test's guess.
+DEADLINE_S = 900.0
+PORT_TAKEN = ("eaddrinuse", "address already in use")  # MASTER_PORT taken between _free_port and rank 0's store
+
+
+def _launch(world: int, out: Path, extra: list[str], port: int) -> list[subprocess.CompletedProcess]:
+    """The script on `world` processes (torchrun's variables when world > 1), each one's output in a log file (no
+    pipe to fill); when a rank fails the others are stopped at once (they would wait for it in a collective)."""
     env = dict(os.environ)
     env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--backend", "gloo", "--heads", "16", "--width", "128",
            "--out", str(out), *extra]
     if world > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    logs = [out / f"rank{rank}.log" for rank in range(world)]
     procs = []
-    for rank in range(world):
-        e = dict(env)
-        if world > 1:
-            e.update(RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = []
     try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, ""))
+        for rank, log in enumerate(logs):
+            e = dict(env)
+            if world > 1:
+                e.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            with log.open("w") as f:
+                procs.append(subprocess.Popen(cmd, env=e, stdout=f, stderr=subprocess.STDOUT, text=True))
+        end = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > end:
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return results
+    note = "" if all(p.returncode == 0 for p in procs) else f"\n[stopped: a rank failed, or {DEADLINE_S:.0f} s passed]"
+    return [subprocess.CompletedProcess(cmd, p.returncode, log.read_text() + note, "") for p, log in zip(procs, logs)]
+
+
+def _run_ranks(world: int, out: Path, extra: list[str], attempts: int = 3) -> list[subprocess.CompletedProcess]:
+    """_launch, again on a new port when another process took the one _free_port gave (up to `attempts` times)."""
+    for _ in range(attempts):
+        runs = _launch(world, out, extra, _free_port())
+        if world == 1 or not any(taken in r.stdout.lower() for r in runs for taken in PORT_TAKEN):
+            break
+    return runs
 
 
 def test_two_gloo_ranks_merge_equals_one_rank(tmp_path):
