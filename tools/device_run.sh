@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device runner: GPU tests, the benchmark suite, profiles and sanitizer runs of the shipped kernels, as steps of
 # one device call (the `run` tool: repo root, torch + Triton 3.6, no vLLM / FlashInfer; what lands in $OUT comes back).
-#   bash tools/device_run.sh [--t38] [--budget S] STEP [ARGS...] [+ STEP [ARGS...]]...
+#   bash tools/device_run.sh [--t38] [--vllm] [--budget S] STEP [ARGS...] [+ STEP [ARGS...]]...
 # Steps (each under `timeout` with what is left of the budget: a hang, e.g. an mbarrier phase bug, shows as rc 124):
 #   tests [PYTEST ARGS]        pytest -q -rs of ARGS (default: the GPU test files, $GPU_TESTS)
 #   suite [BENCH ARGS]         python -m vllm_kimi_dsa bench --out $OUT; the fa3 peer from .carry/fi when carried
@@ -13,6 +13,10 @@
 #   py SCRIPT.py|-m MOD [ARGS] any Python, e.g. benchmarks/bench_gluon.py --out $OUT ... or -m vllm_kimi_dsa tune
 # --t38: Triton 3.8 (vLLM 0.33's) from .carry/t38 ahead of the image's Triton, Gluon kernels forced
 # (VLLM_KIMI_DSA_GLUON=1); pack it here first (not on the device): bash tools/device_run.sh pack-t38 [DEST].
+# --vllm: vLLM 0.33's Python code from .carry/vllm (bash tools/pack_vllm.sh here first; carry .carry/vllm), unpacked
+# into /tmp/vllm_site once a machine (again only when the pack changed), ahead of site-packages; vllm_so.tar.xz, when
+# carried, adds vLLM's compiled libraries cut to sm_90. Offline: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, no usage stats,
+# the engine in-process. A test calls tools/vllm_device_shims.py's install() first (what torch 2.11 cannot load).
 # --budget S: seconds for all steps (default 560). $OUT gets summary.txt and one log a step (N_STEP.log); past 8 files
 # (what the tool returns) all but summary.txt and bench_suite.json go into logs.tgz. DRY=1 prints the steps only.
 set -u -o pipefail
@@ -39,11 +43,32 @@ if [ "${1:-}" = pack-t38 ]; then  # Triton 3.8's cp312 wheel less what a compile
   exit
 fi
 
+# --vllm: the pack (site, then the compiled libraries if carried) unpacked unless /tmp/vllm_site holds this very pack
+vllm_env() {
+  local p=.carry/vllm id
+  if [ -n "${DRY:-}" ]; then
+    echo "unpack $p/vllm_site.tar.xz and $p/vllm_so.tar.xz (if carried) into /tmp/vllm_site unless already there"
+  else
+    [ -f $p/vllm_site.tar.xz ] || { echo "no $p/vllm_site.tar.xz: bash tools/pack_vllm.sh here, carry $p"; return 1; }
+    id=$(cat $p/vllm_site.tar.xz $p/vllm_so.tar.xz 2>/dev/null | cksum)
+    if [ "$(cat /tmp/vllm_site/.pack 2>/dev/null)" != "$id" ]; then
+      rm -rf /tmp/vllm_site && mkdir -p /tmp/vllm_site && tar -xJf $p/vllm_site.tar.xz -C /tmp/vllm_site || return 1
+      [ ! -f $p/vllm_so.tar.xz ] || tar -xJf $p/vllm_so.tar.xz -C /tmp/vllm_site || return 1
+      echo "$id" > /tmp/vllm_site/.pack
+    fi
+  fi
+  export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+  [ -z "${DRY:-}" ] || echo "PYTHONPATH=$PYTHONPATH (ahead of site-packages) VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1" \
+    "TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0"
+}
+
 export PYTHONPATH=$ROOT PYTHONUNBUFFERED=1
 while [ $# -gt 0 ]; do
   case $1 in
     --t38) mkdir -p /tmp/t38 && tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || { echo "no .carry/t38"; exit 3; }
-           export PYTHONPATH=/tmp/t38:$ROOT VLLM_KIMI_DSA_GLUON=1; shift;;
+           export PYTHONPATH=/tmp/t38:$PYTHONPATH VLLM_KIMI_DSA_GLUON=1; shift;;
+    --vllm) vllm_env || exit 3; shift;;
     --budget) BUDGET=$2; shift 2;;
     *) break;;
   esac
