@@ -103,7 +103,31 @@ def deep_gemm() -> str:
     return f"placeholder ({error})"
 
 
-SHIMS = (stable_libtorch, deep_gemm)
+def fused_q_cutedsl() -> str:
+    """vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl, answering "not supported", when CuTeDSL (`cutlass`,
+    nvidia-cutlass-dsl, not carried) cannot be imported.
+
+    Why: DeepseekV32Attention's fused_q imports this module on every CUDA call, and the module imports `cutlass` at
+    its top: without it the layer's forward raises ModuleNotFoundError before any kernel runs.
+    Hides: the CuTeDSL fused_q kernel, which vLLM's own is_fused_q_cutedsl_supported picks only on compute
+    capability 10.x (SM100); on SM90 it answers False and the Triton _fused_q_kernel runs, as here. So on Hopper it
+    hides nothing; on a Blackwell GPU the Triton kernel would run in place of vLLM's faster CuTeDSL one.
+    """
+    name = "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"
+    error = _load_error("cutlass")
+    if error is None:
+        return "real library loads"
+    module = _placeholder(name, "the CuTeDSL fused_q kernel (SM100 only)")
+    module.is_fused_q_cutedsl_supported = lambda *args, **kwargs: False
+
+    def fused_q_cutedsl(*args, **kwargs):
+        raise RuntimeError("vllm_device_shims: CuTeDSL (cutlass) is not on this machine")
+
+    module.fused_q_cutedsl = fused_q_cutedsl
+    return f"placeholder (cutlass {error})"
+
+
+SHIMS = (stable_libtorch, deep_gemm, fused_q_cutedsl)
 
 
 def install() -> dict[str, str]:
