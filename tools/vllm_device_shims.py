@@ -57,7 +57,8 @@ def _placeholder(name: str, hides: str) -> types.ModuleType:
     setattr(module, SHIM_ATTR, hides)
     sys.modules[name] = module
     parent, _, child = name.rpartition(".")
-    setattr(importlib.import_module(parent), child, module)
+    if parent in sys.modules:  # else Python finds the child in sys.modules when the parent is imported
+        setattr(sys.modules[parent], child, module)
     return module
 
 
@@ -103,6 +104,37 @@ def deep_gemm() -> str:
     return f"placeholder ({error})"
 
 
+def flash_attn() -> str:
+    """vllm.vllm_flash_attn without its FlashAttention libraries (_vllm_fa2_C / _vllm_fa3_C, not carried: too large)
+    when neither loads: the package with its own flash_attn_interface, minus the __init__'s raise.
+
+    Why: on CUDA, vllm/v1/attention/backends/fa_utils.py imports vllm.vllm_flash_attn at its top, and the package's
+    __init__ raises ImportError when neither library loads; fa_utils is imported on the way to every attention layer
+    (model_executor/layers/attention/__init__ -> mm_encoder_attention), so no DSA layer builds without this.
+    Hides: FlashAttention itself. The interface reports FA2 / FA3 unavailable (its own FA2_AVAILABLE, FA3_AVAILABLE,
+    is_fa_version_supported), so get_flash_attn_version() is None and FlashAttention-based backends count as
+    unavailable; a call of flash_attn_varlen_func fails. For a DSA layer on SM90 that is the dense-MHA prefill of
+    chunks no longer than index_topk (vLLM runs FlashAttention there): without it vLLM finds no MLA prefill backend
+    and sends every prefill through forward_mqa. Decodes, MTP steps and prefills longer than index_topk go through
+    forward_mqa either way.
+    """
+    name = "vllm.vllm_flash_attn"
+    error = _load_error(name)
+    if error is None:
+        return "real library loads"
+    spec = importlib.util.find_spec(name)
+    module = _placeholder(name, "FlashAttention's kernels (dense-MHA prefill)")
+    module.__path__ = list(spec.submodule_search_locations)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__spec__.submodule_search_locations = module.__path__
+    interface = importlib.import_module(f"{name}.flash_attn_interface")
+    for attr in ("FA2_AVAILABLE", "FA3_AVAILABLE", "compile_flash_attn_varlen_func_from_specs",
+                 "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
+                 "is_fa_version_supported"):
+        setattr(module, attr, getattr(interface, attr))
+    return f"interface only, FA2 {interface.FA2_AVAILABLE}, FA3 {interface.FA3_AVAILABLE} ({error})"
+
+
 def fused_q_cutedsl() -> str:
     """vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl, answering "not supported", when CuTeDSL (`cutlass`,
     nvidia-cutlass-dsl, not carried) cannot be imported.
@@ -127,7 +159,7 @@ def fused_q_cutedsl() -> str:
     return f"placeholder (cutlass {error})"
 
 
-SHIMS = (stable_libtorch, deep_gemm, fused_q_cutedsl)
+SHIMS = (stable_libtorch, deep_gemm, flash_attn, fused_q_cutedsl)
 
 
 def install() -> dict[str, str]:
