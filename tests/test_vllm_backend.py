@@ -421,6 +421,23 @@ def test_capture_without_a_built_step_is_refused(tmp_path):
         assert layer.impl._step is step
 
 
+def test_readme_tables_render_on_github():
+    """Every row of every README table has its header's cell count: a bare `|` inside a cell splits it on GitHub."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    fence = False
+    width = None
+    for number, line in enumerate(readme.splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence or not line.startswith("|"):
+            width = None
+            continue
+        cells = line.replace("\\|", "").strip().strip("|").split("|")
+        if width is None:
+            width = len(cells)
+        assert len(cells) == width, f"README.md:{number} has {len(cells)} cells, its table {width}: {line[:80]}"
+
+
 def test_env_docs_cover_every_variable_and_the_readme_lists_them():
     assert set(envs.DOCS) == set(envs.ENVIRONMENT_VARIABLES)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

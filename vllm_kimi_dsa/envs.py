@@ -18,7 +18,7 @@ DOCS: dict[str, tuple[str, str]] = {
     BACKEND: (
         "the plugin overrides vLLM's FLASHINFER_MLA_SPARSE backend with this package's (1, default) or leaves "
         "vLLM's own class in place (0)",
-        "1 | 0",
+        "`1` (default) or `0`",
     ),
     KERNEL_TABLE: (
         "a kernel-table JSON file written by `python -m vllm_kimi_dsa tune` (which kernel runs each batch size "
@@ -28,12 +28,12 @@ DOCS: dict[str, tuple[str, str]] = {
     GLUON: (
         "the warp-specialized Gluon kernels on Hopper: where they were verified (unset), on any Triton that "
         "compiles them (1), never (0)",
-        "unset | 1 | 0",
+        "unset (default), `1` or `0`",
     ),
     FP8_PV: (
         "Hopper, fp8 cache, more than 32 heads: P.V on FP8 tensor cores, P rounded to e4m3 (faster at large "
         "batches; adds ~1e-2 relative error against the cache's values, docs/hopper-kernels.md)",
-        "0 (default) | 1",
+        "`0` (default) or `1`",
     ),
 }
 
