@@ -59,9 +59,15 @@ REPORT: dict[str, dict] = {}
 @pytest.fixture(scope="module", autouse=True)
 def plugin():
     vllm_glue.register()
-    yield
     REPORT["shims"] = SHIMS
     REPORT["gpu"] = {"name": torch.cuda.get_device_name(), "torch": torch.__version__}
+    yield
+
+
+@pytest.fixture(autouse=True)
+def report():
+    """REPORT to $KIMI_DSA_GPU_REPORT after every test (a device call cut short keeps what ran)."""
+    yield
     path = os.environ.get("KIMI_DSA_GPU_REPORT")
     if path:
         Path(path).write_text(json.dumps(REPORT, indent=1))
