@@ -251,6 +251,7 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseMetadata
 
+    import vllm_harness as vh
     from dcp_cases import make_case
 
     # the all-gather / reduce-scatter combine (vLLM's default dcp_comm_backend), not the symmetric-memory ones,
@@ -266,8 +267,8 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
         monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r_=rank: (dcp, r_))
         buffer = torch.full((rows, width), -1, dtype=torch.int32, device=DEVICE)
         buffer[:rows] = topk
-        layer = rig.mla_layer(config, heads=heads_per_rank, topk_buffer=buffer,
-                              prefix=f"model.layers.{rank}.self_attn.attn")
+        layer = vh.build_mla_layer(config, heads=heads_per_rank, topk_buffer=buffer,
+                                   prefix=f"model.layers.{rank}.self_attn.attn")
         layer._q_scale_float, layer._k_scale_float = 0.3, 0.5
         layer.impl.process_weights_after_loading(torch.bfloat16)
         assert (layer.impl.dcp_world_size, layer.impl.dcp_rank) == (dcp, rank) and layer.impl.lse_base_on_e

@@ -90,8 +90,9 @@ def vllm_config(
 _initialized = False
 
 
-def init_vllm_cpu() -> None:
-    """Once per process: vLLM's single-process (gloo) distributed groups and its workspace manager on the CPU."""
+def init_vllm(device: torch.device | str = "cpu") -> None:
+    """Once per process: vLLM's single-rank distributed groups (gloo on a CPU, NCCL on a GPU) and its workspace
+    manager on `device`."""
     global _initialized
     if _initialized:
         return
@@ -101,16 +102,24 @@ def init_vllm_cpu() -> None:
 
     import socket
 
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="nccl" if device.type == "cuda" else "gloo",
         )
         initialize_model_parallel(1, 1)
-    init_workspace_manager(torch.device("cpu"))
+    init_workspace_manager(device)
     _initialized = True
+
+
+def init_vllm_cpu() -> None:
+    init_vllm("cpu")
 
 
 def cuda_platform_class() -> type:
@@ -159,13 +168,16 @@ def build_mla_layer(
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
-    init_vllm_cpu()
-    with set_current_vllm_config(config):
+    device = topk_buffer.device
+    init_vllm(device)
+    with set_current_vllm_config(config), device:
         kv_b_proj = ColumnParallelLinear(512, heads * (qk_nope_head_dim + 128), bias=False, params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            kv_b_proj.weight.normal_(0.0, 512 ** -0.5)  # fresh values (the impl's decode reads none of them)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # vLLM builds models under the model dtype
     try:
-        with set_current_vllm_config(config):
+        with set_current_vllm_config(config), device:
             return MLAAttention(
                 num_heads=heads, scale=192 ** -0.5, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=64,
                 v_head_dim=128, q_lora_rank=128, kv_lora_rank=512, kv_b_proj=kv_b_proj,

@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,6 +28,7 @@ import pytest
 import torch
 from conftest import computed_operands, fp8_wgmma_dims
 from decode_checks import check_decode
+from vllm_harness import init_vllm
 
 from vllm_kimi_dsa.convert import convert_topk_reference
 from vllm_kimi_dsa.formats import flat_kv_row_view
@@ -90,31 +90,6 @@ def engine_config(directory: Path, *, heads: int, spec_tokens: int = 0, max_num_
         speculative_config=speculative,
     )
     return args.create_engine_config()
-
-
-_initialized = False
-
-
-def init_vllm_gpu() -> None:
-    """Once per process: vLLM's single-rank distributed groups (NCCL) and its workspace manager on this GPU."""
-    global _initialized
-    if _initialized:
-        return
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.v1.worker.workspace import init_workspace_manager
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(0)
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="nccl"
-        )
-        initialize_model_parallel(1, 1)
-    init_workspace_manager(torch.device("cuda"))
-    _initialized = True
 
 
 @dataclass
@@ -185,7 +160,7 @@ class LayerRig:
 
         self.device = torch.device(device)
         if self.device.type == "cuda":
-            init_vllm_gpu()
+            init_vllm(self.device)
         self.config = engine_config(directory, heads=heads, spec_tokens=spec_tokens, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens)
         self.heads = heads
@@ -378,26 +353,6 @@ class LayerRig:
         layer = self.layer
         v = torch.einsum("thl,hlv->thv", latent.float(), layer.W_UV.float())
         return v.reshape(latent.shape[0], -1) @ layer.o_proj.weight.float().t()
-
-
-def mla_layer(config: Any, *, heads: int, topk_buffer: torch.Tensor, prefix: str) -> Any:
-    """A bare sparse MLAAttention made by vLLM's constructor for `config` (selector, backend, impl), as a DSA
-    model's attention makes it, with random kv_b_proj weights (the impl's decode needs none of them)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.layers.linear import ColumnParallelLinear
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    device = topk_buffer.device
-    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16), device:
-        kv_b_proj = ColumnParallelLinear(512, heads * 256, bias=False, params_dtype=torch.bfloat16)
-        with torch.no_grad():
-            kv_b_proj.weight.normal_(0.0, 512 ** -0.5)
-        return MLAAttention(
-            num_heads=heads, scale=192 ** -0.5, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-            q_lora_rank=Q_LORA, kv_lora_rank=512, kv_b_proj=kv_b_proj, cache_config=config.cache_config,
-            prefix=prefix, use_sparse=True, topk_indices_buffer=topk_buffer,
-        )
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
