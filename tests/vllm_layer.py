@@ -28,6 +28,7 @@ import pytest
 import torch
 from conftest import computed_operands, fp8_wgmma_dims
 from decode_checks import check_decode
+import vllm_harness
 from vllm_harness import init_vllm
 
 from vllm_kimi_dsa.convert import convert_topk_reference
@@ -57,16 +58,12 @@ Q_LORA = 256
 
 
 def model_config_json(heads: int, *, spec_tokens: int = 0) -> dict[str, Any]:
-    """A DeepSeek-V3.2-shaped config.json: MLA 512 + 64 (nope 128, v 128), index_topk 2048, small hidden size."""
-    config = dict(
-        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", hidden_size=HIDDEN,
-        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=Q_LORA, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, index_topk=TOPK, index_n_heads=64, index_head_dim=128, vocab_size=1024,
-        max_position_embeddings=16384, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16", n_group=1,
-        topk_group=1, routed_scaling_factor=1.0, scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-        tie_word_embeddings=False,
+    """A DeepSeek-V3.2-shaped config.json (vllm_harness's, MLA 512 + 64, nope 128, v 128) at the model's index_topk
+    2048 and 64 indexer heads, one layer, q_lora_rank Q_LORA."""
+    config = vllm_harness.model_config_json(vllm_harness.DSV32, heads=heads, topk=TOPK)
+    assert config["hidden_size"] == HIDDEN
+    config.update(
+        num_hidden_layers=1, q_lora_rank=Q_LORA, index_n_heads=64, max_position_embeddings=16384,
         # layer 0 reads the top-k ids of an indexer before it (vLLM's shared-top-k layers), see the module docstring
         index_topk_pattern="S",
     )
@@ -184,8 +181,8 @@ class LayerRig:
         self.layer._k_scale.fill_(k_scale)
         self.layer._q_scale_float, self.layer._k_scale_float = q_scale, k_scale
         self.impl = self.layer.impl
-        self._bind_cache(num_blocks)
         spec = self.layer.get_kv_cache_spec(self.config)
+        self._bind_cache(spec, num_blocks)
         with set_current_vllm_config(self.config):
             self.builder = self.layer.attn_backend.get_builder_cls()(spec, [LAYER_NAME], self.config, self.device)
         self.captured: list[dict[str, Any]] = []
@@ -206,13 +203,12 @@ class LayerRig:
             with torch.no_grad():
                 param.copy_(values.to(param.dtype))
 
-    def _bind_cache(self, num_blocks: int) -> None:
+    def _bind_cache(self, spec: Any, num_blocks: int) -> None:
         """The layer's cache as vLLM's runner makes it (a 4-d [blocks, 1, 64, bytes] view of raw bytes in the spec's
         dtype, kv_cache_interface.compute_layer_kv_cache_shape_bytes), every row random e4m3 bytes (past tokens'
         rows; never zeros), bound with the layer's own bind_kv_cache."""
         from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
 
-        spec = self.layer.get_kv_cache_spec(self.config)
         shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
         values = torch.randn(shape, generator=self.gen) / self.k_scale
         raw = values.to(torch.float8_e4m3fn).view(torch.uint8).to(self.device)

@@ -62,6 +62,15 @@ def _placeholder(name: str, hides: str) -> types.ModuleType:
     return module
 
 
+def _empty_unless_it_loads(name: str, hides: str) -> str:
+    """`name` as it is where it imports, else an empty placeholder (hiding `hides`); what was done, for REPORT."""
+    error = _load_error(name)
+    if error is None:
+        return "real library loads"
+    _placeholder(name, hides)
+    return f"placeholder ({error})"
+
+
 def stable_libtorch() -> str:
     """vllm._C_stable_libtorch as an empty module when the library is absent (not carried) or fails to load.
 
@@ -78,12 +87,7 @@ def stable_libtorch() -> str:
     compilation picks "native". CustomOp subclasses (rotary, activations) run forward_native under
     compilation_config.custom_ops=["none"]; SparseAttnIndexer's forward_native calls forward_cuda anyway.
     """
-    name = "vllm._C_stable_libtorch"
-    error = _load_error(name)
-    if error is None:
-        return "real library loads"
-    _placeholder(name, "every torch.ops._C* op of vLLM's CUDA library")
-    return f"placeholder ({error})"
+    return _empty_unless_it_loads("vllm._C_stable_libtorch", "every torch.ops._C* op of vLLM's CUDA library")
 
 
 def deep_gemm() -> str:
@@ -96,12 +100,7 @@ def deep_gemm() -> str:
     indexer (or its metadata builder) fails instead of computing top-k. is_deep_gemm_supported() also turns True on
     SM90 / SM100, so FP8 block-scaled linears and MoE would pick DeepGEMM and fail the same way (not in a BF16 model).
     """
-    name = "vllm.third_party.deep_gemm"
-    error = _load_error(name)
-    if error is None:
-        return "real library loads"
-    _placeholder(name, "DeepGEMM's kernels (the DSA indexer's logits)")
-    return f"placeholder ({error})"
+    return _empty_unless_it_loads("vllm.third_party.deep_gemm", "DeepGEMM's kernels (the DSA indexer's logits)")
 
 
 def flash_attn() -> str:

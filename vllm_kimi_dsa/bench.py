@@ -47,7 +47,9 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 
 from vllm_kimi_dsa import cli_types, envs
-from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, FP8_ROW_BYTES, pack_nvfp4
+from vllm_kimi_dsa.formats import (
+    FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, pack_nvfp4,
+)
 from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
 
 # benchmarks/ of a source checkout (next to the package): where the peers' scripts are; absent in an install.
@@ -68,7 +70,8 @@ ERROR_SIZES = ((5, 128), (64, 16), (20, 12), (320, 128), (64, 8), (20, 4), (80, 
 QUICK_ERROR_SIZES = ((5, 128),)
 TORCH_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (5, 16), (80, 16))
 FUSED_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (320, 128), (5, 12), (80, 12))
-ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM, "fp8_ds_mla": 656}
+ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM,
+             "fp8_ds_mla": FP8_DS_MLA_ROW_BYTES}
 MAX_SETS = 64
 # our kernel's rows of the tables: as the core binds it, with even plans only (--even), with VLLM_KIMI_DSA_FP8_PV=1
 OUR_FAMILIES = ("triton", "triton-even", "triton-pv8")

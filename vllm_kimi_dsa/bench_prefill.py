@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from vllm_kimi_dsa.formats import FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
+from vllm_kimi_dsa.formats import FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.serving import LayerStep, StepShape
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer
@@ -46,7 +46,6 @@ CASES = ((1, 4096), (4, 1024))  # (requests, query tokens each)
 HEADS = (128, 16)
 MAX_ROWS = 512  # vLLM's planned decode batch (serving.planned_rows: the largest capture size, 512 by default)
 SAMPLE_ROWS = 48  # query tokens checked against the float32 reference, besides each piece's first and last
-FLASHMLA_ROW_BYTES = 656  # vLLM's fp8_ds_mla row, what its gather reads before upconverting to BF16
 PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "peers" / "flashmla_prefill"
 PEER_KINDS = {"flashmla-9241ae3": "flashmla/bf16", "vllm-0.33": "flashmla-vllm/bf16"}  # build source -> kernel name
 OURS = "layerstep/fp8"
@@ -453,7 +452,7 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
                     kv = inp.kv_rows
                     gather_workspace(kv, ctx, ws)
                     g = time_us(lambda: gather_workspace(kv, ctx, ws), device, reps=reps, warmup=1)
-                    gather_floor = ctx.numel() * (FLASHMLA_ROW_BYTES + 2 * HEAD_DIM) / (float(ceil["copy_GBps"]) * 1e9)
+                    gather_floor = ctx.numel() * (FP8_DS_MLA_ROW_BYTES + 2 * HEAD_DIM) / (float(ceil["copy_GBps"]) * 1e9)
                     return {"ws": ws, "idx": workspace_indices(inp), "q16": inp.query.to(torch.bfloat16),
                             "gather_us": round(g["us"], 3), "gather_floor_us": round(gather_floor * 1e6, 3)}
 

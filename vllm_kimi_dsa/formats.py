@@ -22,6 +22,9 @@ NVFP4_ROPE_OFFSET = NVFP4_LATENT_BYTES  # 256
 NVFP4_SCALE_OFFSET = NVFP4_ROPE_OFFSET + ROPE_DIM  # 320
 NVFP4_ROW_BYTES = NVFP4_SCALE_OFFSET + NVFP4_SCALES  # 352
 NVFP4_SCALE_FLOOR = 2.0**-9  # smallest block scale (an e4m3 subnormal)
+# vLLM's own Hopper format, which this package never reads (FLASHMLA_SPARSE's rows; the suite's peer and prefill
+# floor count them): 512 e4m3 latent values, 4 fp32 tile scales, 64 bf16 RoPE values
+FP8_DS_MLA_ROW_BYTES = LATENT_DIM + 4 * 4 + 2 * ROPE_DIM  # 656
 
 CacheFormat = Literal["fp8", "nvfp4_ds_mla"]
 FORMATS: tuple[CacheFormat, ...] = ("fp8", "nvfp4_ds_mla")

@@ -114,8 +114,7 @@ STARTUP_PREFIX = "vllm_kimi_dsa"
 def _kernel_family(step: LayerStep) -> str:
     """What runs a step's decodes: on Hopper the Triton/Gluon kernel family of each plan, on Blackwell the kernel
     table (which kernel for which rows, and where the table came from)."""
-    from vllm_kimi_dsa import selection
-    from vllm_kimi_dsa.envs import kernel_table_path
+    from vllm_kimi_dsa.envs import KERNEL_TABLE, kernel_table_path
 
     if set(step.kernels.values()) != {"triton"}:
         runs: list[list] = []  # [first rows, last rows, kernel]: the table as a spec string, "1-32:trtllm,..."
@@ -126,7 +125,7 @@ def _kernel_family(step: LayerStep) -> str:
                 runs.append([rows, rows, name])
         spec = ",".join(f"{lo}-{hi}:{name}" if hi > lo else f"{lo}:{name}" for lo, hi, name in runs)
         path = kernel_table_path()
-        source = f"{path} (${selection.KERNEL_TABLE_ENV})" if path else "the built-in table (unmeasured priors)"
+        source = f"{path} (${KERNEL_TABLE})" if path else "the built-in table (unmeasured priors)"
         return f"{spec} from {source}"
     families: set[str] = set()
     kernels = {id(k): k for k in (step.core.decode_kernel(rows) for rows in step.kernels)}
