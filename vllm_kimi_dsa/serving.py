@@ -14,6 +14,7 @@ import torch
 
 from vllm_kimi_dsa.core import FlashInferCore
 from vllm_kimi_dsa.formats import LATENT_DIM, CacheFormat, normalize_format
+from vllm_kimi_dsa.widths import check_width
 
 
 def kernel_table(
@@ -96,8 +97,7 @@ class StepShape:
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.width < 128 or self.width % 128:
-            raise ValueError(f"width must be a positive multiple of 128, got {self.width}")
+        check_width(self.width, "width")
         object.__setattr__(self, "fmt", normalize_format(self.fmt))
         object.__setattr__(self, "device", torch.device(self.device))
 

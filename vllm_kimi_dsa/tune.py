@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from vllm_kimi_dsa import cli_types
 from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets, wall_time_us
+from vllm_kimi_dsa.widths import check_width
 
 # Batch sizes measured by default: every small batch (where the kernels differ most), then the
 # CUDA-graph sizes vLLM captures up to K3.1's decode batch.
@@ -265,8 +266,7 @@ def tune(
     rows_t = tuple(sorted(set(int(r) for r in rows)))
     if not rows_t or rows_t[0] < 1:
         raise ValueError(f"rows must be positive batch sizes, got {tuple(rows)}")
-    if width < 128 or width % 128:
-        raise ValueError(f"width must be a multiple of 128, got {width}")
+    check_width(width, "width")
     if dcp < 1:
         raise ValueError(f"dcp must be >= 1, got {dcp}")
     fmt = normalize_format(kv_cache_dtype)

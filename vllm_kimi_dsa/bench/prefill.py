@@ -46,9 +46,11 @@ import torch
 
 from vllm_kimi_dsa.bench.peers import flashmla_prefill as prefill_peer
 from vllm_kimi_dsa.formats import FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
+from vllm_kimi_dsa.heads import check_heads
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.serving import LayerStep, StepShape
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer
+from vllm_kimi_dsa.widths import check_width
 
 K = 2048
 BLOCK = 64
@@ -81,10 +83,8 @@ class PrefillCase:
         for name in ("requests", "tokens", "heads", "block_size", "max_rows"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.heads <= 128:
-            raise ValueError(f"heads must be in 1..128, got {self.heads}")
-        if self.width < 128 or self.width % 128:
-            raise ValueError(f"width must be a positive multiple of 128, got {self.width}")
+        check_heads(self.heads, "heads")
+        check_width(self.width, "width")
         if self.prior < 0:
             raise ValueError(f"prior must be >= 0, got {self.prior}")
 

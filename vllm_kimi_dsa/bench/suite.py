@@ -49,6 +49,7 @@ from vllm_kimi_dsa.bench.peers import fa3, flashmla
 from vllm_kimi_dsa.formats import (
     FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, pack_nvfp4,
 )
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 from vllm_kimi_dsa.timing import L2_BYTES, ceilings, cuda_graph_time_us
 
 PEER_KV = tuple(fa3.KV_DTYPES)  # the KV dtypes the fa3 peer builds
@@ -398,7 +399,7 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
                 what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
                 if kind.startswith(OUR_FAMILIES):
                     family, fmt = kind.split("/", 1)
-                    if family == "triton-pv8" and heads <= 32:  # the opt-in changes nothing there
+                    if family == "triton-pv8" and heads <= FEW_HEADS_MAX:  # the opt-in changes nothing there
                         continue
 
                     def run_triton(fmt: str = fmt, family: str = family) -> dict[str, Any]:
@@ -455,7 +456,7 @@ def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...
             def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
                 family, fmt = kind.split("/", 1)
                 if family in OUR_FAMILIES:
-                    if family == "triton-pv8" and heads <= 32:
+                    if family == "triton-pv8" and heads <= FEW_HEADS_MAX:
                         return None
                     triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
                         inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], out)

@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads, gluon_seesaw
 from vllm_kimi_dsa.kernels.common.gluon import triton_is
@@ -109,7 +110,7 @@ def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> Gluon
     launch on the seesaw kernel's P.V-on-e4m3 form where it was verified (or want "1"), else the default kernels."""
     if want == "0":
         return None
-    if heads > 32:
+    if heads > FEW_HEADS_MAX:
         if fmt != "fp8":  # nvfp4: every launch on the seesaw kernel (gluon_decode's has no nvfp4 form)
             nv = gluon_seesaw.nvfp4_seesaw_params()
             return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"),
