@@ -2,6 +2,8 @@
 
 Everything is checked, planned and allocated at construction; `decode`/`run`
 only validate host metadata (shapes, dtypes) and launch, so they replay in a CUDA graph.
+The class keeps the seed's name, FlashInferCore, so code written for the seed drops it in unchanged: it serves vLLM's
+FLASHINFER_MLA_SPARSE backend, though on Hopper it runs this package's Gluon / Triton kernels, not FlashInfer's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from vllm_kimi_dsa.backends.registry import build_kernel
 from vllm_kimi_dsa.convert import convert_topk
 from vllm_kimi_dsa.formats import (
     HEAD_DIM,
@@ -22,8 +25,7 @@ from vllm_kimi_dsa.formats import (
     row_bytes,
 )
 from vllm_kimi_dsa.heads import check_heads, heads_refusal
-from vllm_kimi_dsa.kernels import DecodeKernel, DecodeSetup, build_kernel
-from vllm_kimi_dsa.kernels.base import check_query
+from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup, check_query
 from vllm_kimi_dsa.selection import KERNELS, plan_rows_for
 from vllm_kimi_dsa.widths import check_width
 

@@ -19,7 +19,6 @@ from vllm_kimi_dsa.serving import SharedBuffers, StepShape, build_layers, kernel
 logger = init_logger(__name__)
 
 KERNEL_TABLE_ENV = envs.KERNEL_TABLE
-_IMPL_PATH = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 BACKEND_CLASS = "vllm_kimi_dsa.vllm_backend.KimiDSAFlashInferMLASparseBackend"
 
 _registered = False
@@ -31,9 +30,9 @@ _registered = False
 def _flashinfer_sparse_impl_cls() -> type | None:
     """vLLM's FlashInferMLASparseImpl, or None when vLLM (or that backend) cannot be imported."""
     try:
-        from importlib import import_module
+        from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
 
-        return getattr(import_module(_IMPL_PATH), "FlashInferMLASparseImpl", None)
+        return FlashInferMLASparseImpl
     except Exception:  # vLLM missing, or broken on this machine: not our path, never an error
         return None
 
