@@ -1,9 +1,9 @@
 """The suite's pictures and tables from its bench_suite.json: µs and TFLOP/s vs rows per kernel, floors drawn in,
 and the markdown tables (bench_suite.md, the prefill table included). Needs matplotlib (the `bench` extra).
 
-    python -m vllm_kimi_dsa.bench.plot [JSON] [--out-dir DIR]   -> bench_H128.png, bench_H16_H12.png,
-                                                                   bench_suite.md (also printed)
-JSON defaults to ./benchmarks/results/latest/bench_suite.json (a checkout's newest run), DIR to the JSON's folder.
+    python -m vllm_kimi_dsa.bench.plot JSON [--out-dir DIR]   -> bench_H128.png, bench_H16_H12.png,
+                                                                 bench_suite.md (also printed)
+DIR defaults to the JSON's folder.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from vllm_kimi_dsa.bench.prefill import prefill_table
 
-DEFAULT_JSON = Path("benchmarks") / "results" / "latest" / "bench_suite.json"
 # One colour per kernel family/format, so a kernel and its floor line match.
 COLORS = {
     "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
@@ -225,7 +224,7 @@ def prefill_markdown(section: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
+    ap.add_argument("json", help="a bench_suite.json (python -m vllm_kimi_dsa bench --out DIR writes DIR/bench_suite.json)")
     ap.add_argument("--out-dir", default=None, help="where the pictures and bench_suite.md go (default: the JSON's folder)")
     ap.add_argument("--rows", default="1,2,4,5,8,16,20,64,80,160,320", help="columns of the markdown table")
     args = ap.parse_args(argv)

@@ -55,7 +55,7 @@ SEESAW_MIN_TILES = 8
 # nvfp4 at 17..32 heads: plans of at least this many rows run on the seesaw kernel's nvfp4 form (one 64-head block,
 # each row converted once) instead of the few-heads form (each row converted once a 16-head block). H100, K 2048,
 # 32 heads, seesaw vs few-heads µs: 1 row 11.4 / 10.0, 5: 15.4 / 14.6, 8: 16.4 / 16.4, 20: 26.7 / 28.3,
-# 80: 77.3 / 87.4, 160: 140.4 / 162.6, 320: 259.8 / 307.6 (benchmarks/results/latest/h100-2026-12-05c, bench_few_heads)
+# 80: 77.3 / 87.4, 160: 140.4 / 162.6, 320: 259.8 / 307.6 (benchmarks/results/latest/v24-e4m3-row-shift, bench_few_heads)
 NVFP4_SEESAW_MIN_ROWS = 8
 
 
