@@ -2,7 +2,7 @@
 """Time the warp-specialized Gluon decode against the Triton kernel's default config on one H200 (fp8, H=128, K=2048).
 
 Both run on the same data in one process, each call inside a CUDA graph that rotates over input sets larger than
-2x the L2 (tune.cuda_graph_time_us / rotation_sets, as sweep_configs.py). Accuracy first: rel L2 and max LSE error of
+2x the L2 (timing.cuda_graph_time_us / rotation_sets, as sweep_configs.py). Accuracy first: rel L2 and max LSE error of
 each kernel against the float32 reference on a 5-row case with holes and a count-0 row. Prints a table, writes
 $OUT/gluon_bench.json.
 
@@ -36,7 +36,7 @@ from vllm_kimi_dsa.kernels.gluon_seesaw import (  # noqa: E402
 from vllm_kimi_dsa.backends.hopper.variants import seesaw_takes  # noqa: E402
 from vllm_kimi_dsa.kernels.gluon_seesaw import launch as seesaw_launch  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode, source_reference_decode  # noqa: E402
-from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets  # noqa: E402
 from vllm_kimi_dsa import planning  # noqa: E402
 from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 

@@ -140,8 +140,8 @@ def wgmma_logit_bound(query, kv_rows, slots, counts, fmt: str, softmax_scale: fl
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Make every kernel name build a ReferenceKernel (the core's logic runs for real around it)."""
-    import vllm_kimi_dsa.kernels as kernels
+    import vllm_kimi_dsa.backends.registry as registry
 
     ReferenceKernel.instances = []
-    monkeypatch.setattr(kernels, "kernel_class", lambda name: ReferenceKernel)
+    monkeypatch.setattr(registry, "kernel_class", lambda name: ReferenceKernel)
     return ReferenceKernel

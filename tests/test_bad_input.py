@@ -285,12 +285,12 @@ def test_unknown_kernel_name():
 
 def test_k_not_a_multiple_of_128():
     b = make_buffers(R, HEADS, 200, DEVICE)
-    _rejects(ValueError, "slots width K=200", _build(b), b)
+    _rejects(ValueError, "slots width K must be a positive multiple of 128, got 200", _build(b), b)
 
 
 def test_unplanned_width_in_widths():
     b = make_buffers(R, HEADS, WIDTH, DEVICE)
-    _rejects(ValueError, "widths must be multiples of 128", _build(b, widths=(128, 200)), b)
+    _rejects(ValueError, "widths must be a positive multiple of 128, got 200", _build(b, widths=(128, 200)), b)
 
 
 def test_rows_beyond_the_buffers():

@@ -1,4 +1,4 @@
-"""The bench's prefill section (vllm_kimi_dsa.bench_prefill) on a CPU: the case builder's contracts, the floor's
+"""The bench's prefill section (vllm_kimi_dsa.bench.prefill) on a CPU: the case builder's contracts, the floor's
 arithmetic, and the section end to end on a tiny chunk in Triton's interpreter, with and without a peer (a float32
 stand-in of flash_mla_sparse_fwd that checks the arguments vLLM's `_bf16_flash_mla_kernel` passes).
 """
@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_kimi_dsa import bench_prefill as bp
+from vllm_kimi_dsa.bench import plot
+from vllm_kimi_dsa.bench import prefill as bp
+from vllm_kimi_dsa.bench.peers import flashmla_prefill as prefill_peer
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS_SOURCES = ROOT / "benchmarks" / "peers" / "flashmla_prefill"  # prepare.sh and the sources it builds
 
 CEIL = {"copy_GBps": 3000.0, "bf16_TFLOPs": 800.0, "fp8_TFLOPs": 1600.0}
 TINY = dict(width=128, prior=100, max_rows=4)  # prior < K: the first tokens see fewer than K and end in -1
@@ -97,8 +102,7 @@ def test_sample_rows_cover_every_piece() -> None:
 
 
 def test_padded_heads_as_vllm() -> None:
-    peer = bp.peer_module()
-    assert peer is not None, "benchmarks/peers/flashmla_prefill/peer.py is part of the checkout"
+    peer = prefill_peer
     assert [peer.padded_heads(h) for h in (1, 16, 64, 65, 96, 128)] == [64, 64, 64, 128, 128, 128]
     with pytest.raises(ValueError, match="heads"):
         peer.padded_heads(129)
@@ -169,15 +173,15 @@ def test_section_without_the_peer_and_a_failure_recorded() -> None:
     assert "ValueError" in section["failures"][0]["error"]
 
 
-@pytest.mark.skipif(not (Path(bp.PEER_DIR).parents[2] / ".carry" / "flashmla" / "csrc" / "api").is_dir(),
+@pytest.mark.skipif(not (ROOT / ".carry" / "flashmla" / "csrc" / "api").is_dir(),
                     reason="FlashMLA's sources are unpacked by /work/shared/device/flashmla-sm90/prepare.sh .carry")
 def test_make_api_reduces_flashmla_to_the_sm90_prefill() -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fmla_make_api", bp.PEER_DIR / "make_api.py")
+    spec = importlib.util.spec_from_file_location("fmla_make_api", HARNESS_SOURCES / "make_api.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    root = Path(bp.PEER_DIR).parents[2] / ".carry" / "flashmla"
+    root = ROOT / ".carry" / "flashmla"
     src = mod.reduce_api((root / "csrc" / "api" / "sparse_fwd.h").read_text())
     assert "sm100::" not in src and "Sm100" not in src and "sm100/" not in src  # no SM100 kernel, class or header
     assert "run_fwd_phase1_kernel<576, HAVE_TOPK_LENGTH>" in src and '"sparse_prefill_fwd"' in src
@@ -186,7 +190,7 @@ def test_make_api_reduces_flashmla_to_the_sm90_prefill() -> None:
 def test_bench_options_run_the_prefill_section() -> None:
     """`python -m vllm_kimi_dsa bench --sections prefill` is the prefill section alone; --flashmla-prefill names the
     peer's harness; the default suite lists it among its sections."""
-    from vllm_kimi_dsa import bench
+    from vllm_kimi_dsa.bench import suite as bench
 
     ap = bench.build_parser()
     args = ap.parse_args(["--out", "x", "--sections", "prefill", "--flashmla-prefill", "h", "--peers", "flashmla"])
@@ -196,18 +200,19 @@ def test_bench_options_run_the_prefill_section() -> None:
 
 def test_harness_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The peer's harness: an explicit folder, else $FLASHMLA_PREFILL_DIR; incomplete ones say what is missing."""
-    peer = bp.peer_module()
+    peer = prefill_peer
     monkeypatch.delenv(peer.ENV_SO, raising=False)
-    monkeypatch.setattr(peer, "CHECKOUT_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(peer, "CARRY_DIR", tmp_path / "nowhere")
     ok, why = peer.available(tmp_path)
     assert not ok and "prepare.sh" in why
     harness = tmp_path / "flashmla_prefill"
     (harness / "objs").mkdir(parents=True)
     (harness / "api_prefill.cpp").write_text("// generated")
     ok, why = peer.available(harness)
-    assert not ok and "phase1_k576_topklen.o" in why and "flashmla" in why
+    assert not ok and "phase1_k576_topklen.o" in why and "flashmla" in why and "build_ext.py" in why
     for name in ("phase1_k576_topklen.o", "phase1_k576.o"):
         (harness / "objs" / name).write_bytes(b"\0")
+    (harness / "build_ext.py").write_text("")  # prepare.sh copies it beside the objects
     (tmp_path / "flashmla" / "csrc").mkdir(parents=True)
     assert peer.available(harness) == (True, str(harness.resolve()))
     monkeypatch.setenv(peer.ENV_DIR, str(harness))
@@ -220,12 +225,7 @@ def test_harness_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_plot_renders_the_prefill_section() -> None:
-    """benchmarks/plot.py's README table carries the prefill table when the JSON has the section."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plot_for_prefill", bp.PEER_DIR.parents[1] / "plot.py")
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    """bench.plot's README table carries the prefill table when the JSON has the section."""
     res = [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "us": 4000.0, "tflops": 585.0, "of_floor": 0.6},
            {"kernel": "flashmla/bf16", "case": "1x4096", "heads": 128, "us": 3500.0, "tflops": 669.0,
             "of_floor": 0.87, "gather_us": 12.0, "gather_floor_us": 3.6}]

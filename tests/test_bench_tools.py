@@ -1,5 +1,5 @@
-"""benchmarks/ and tools/: the suite's metrics, data and plain-torch baseline on a CPU, the plots and README table from
-a synthetic bench_suite.json, the peer's scale mapping, the device runner's steps (tools/device_run.sh, dry run), and
+"""The suite (vllm_kimi_dsa.bench), benchmarks/ and tools/: the suite's metrics, data and plain-torch baseline on a
+CPU, the plots and README table from a synthetic bench_suite.json, the peer's scale mapping, the device runner's steps (tools/device_run.sh, dry run), and
 the developer benchmarks' set-up.
 
 CPU only, about 10 s (most of it matplotlib and one 3-row K=2048 reference); nothing here times anything.
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tools"))
 
-import bench_suite as bs  # noqa: E402
-import peer_fa3  # noqa: E402
-import plot  # noqa: E402
+from vllm_kimi_dsa.bench import plot  # noqa: E402
+from vllm_kimi_dsa.bench import suite as bs  # noqa: E402
+from vllm_kimi_dsa.bench.peers import fa3 as peer_fa3  # noqa: E402
 
 from vllm_kimi_dsa import planning  # noqa: E402
 from vllm_kimi_dsa.formats import unpack_nvfp4  # noqa: E402

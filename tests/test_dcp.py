@@ -269,10 +269,10 @@ def check_dcp_equals_tp(fmt: str, dcp: int, interleave: int, heads: int, width: 
 @pytest.fixture
 def standin_triton(monkeypatch):
     """Make the "triton" kernel name build conftest's reference-computing stand-in."""
-    import vllm_kimi_dsa.kernels as kernels
+    import vllm_kimi_dsa.backends.registry as registry
     from conftest import ReferenceKernel
 
-    monkeypatch.setitem(kernels._KERNEL_CLASSES, "triton", "conftest:ReferenceKernel")
+    monkeypatch.setitem(registry._KERNEL_CLASSES, "triton", "conftest:ReferenceKernel")
     return ReferenceKernel
 
 
@@ -309,9 +309,9 @@ def test_count0_ranks_dropped_against_hand_merge(monkeypatch, kernel, fmt):
     merge written out by hand (and == TP); a merge that keeps count-0 ranks (or mixes bases, or weighs evenly)
     does not match."""
     if kernel == "reference":
-        import vllm_kimi_dsa.kernels as kernels
+        import vllm_kimi_dsa.backends.registry as registry
 
-        monkeypatch.setitem(kernels._KERNEL_CLASSES, "triton", "conftest:ReferenceKernel")
+        monkeypatch.setitem(registry._KERNEL_CLASSES, "triton", "conftest:ReferenceKernel")
     elif not HAS_TRITON_KERNEL:
         pytest.skip("kernels/triton_decode.py is not in the tree yet")
     heads = HEADS[0]

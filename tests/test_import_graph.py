@@ -1,4 +1,6 @@
-"""The package's imports flow one way: no import circle between its modules, no `_private` name taken across modules.
+"""The package's imports flow one way: every import goes down the layer order (docs/architecture.md), strings that
+name a package module count as imports, no import circle between modules, no `_private` name taken across modules,
+and no module imports through a path or a string but the kernel registry (and the peers' loader of built extensions).
 
 Read from the source with `ast` (nothing is imported), so it holds for code paths a CPU never runs.
 """
@@ -6,6 +8,7 @@ Read from the source with `ast` (nothing is imported), so it holds for code path
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_kimi_dsa"
@@ -135,3 +138,126 @@ def test_no_private_name_crosses_a_module() -> None:
 def test_the_checks_can_fail() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# ---------------------------------------------------------------- layers
+
+# Lowest first; a module may import its own layer and those below. The package root (re-exports, lazily) is on top.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("formats", ("formats", "host_math", "arguments", "heads", "widths", "envs", "logs", "dcp", "timing", "reference",
+                 "synthetic")),
+    ("planning", ("planning",)),
+    ("kernels", ("kernels", "convert")),
+    ("backends", ("backends",)),
+    ("selection", ("selection",)),
+    ("core", ("core",)),
+    ("serving", ("serving",)),
+    ("vllm", ("vllm_glue", "vllm_backend")),
+    ("cli", ("__main__", "cli_types", "tune", "bench")),
+)
+# the only modules that may import through a string or load a module from a file, and what they may call for it
+THROUGH_STRINGS = {f"{NAME}.backends.registry": {"import_module"},
+                   f"{NAME}.bench.peers": {"spec_from_file_location", "module_from_spec"}}
+DYNAMIC = {"import_module", "__import__", "spec_from_file_location", "module_from_spec", "exec_module"}
+STRING_MODULE = re.compile(rf"^{NAME}(\.\w+)+(:\w+)?$")
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a package module (the package root: above every layer)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)
+    for i, (_, heads) in enumerate(LAYERS):
+        if parts[1] in heads:
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: give it one (and a line in docs/architecture.md)")
+
+
+def string_imports(module: str, tree: ast.AST, modules: set[str]) -> set[str]:
+    """Package modules a string constant names ("pkg.mod:Class", "pkg.mod.Class"): imports made through a string."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and STRING_MODULE.match(node.value):
+            path = node.value.split(":")[0].split(".")
+            for n in range(len(path), 1, -1):
+                if ".".join(path[:n]) in modules:
+                    found.add(".".join(path[:n]))
+                    break
+    return found - {module}
+
+
+def dynamic_imports(tree: ast.AST) -> set[str]:
+    """Names of the dynamic-import calls a module makes, and whether it edits sys.path ("sys.path")."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in DYNAMIC:
+                found.add(name)
+        if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"):
+            found.add("sys.path")
+    return found
+
+
+def layer_violations(sources: dict[str, str], packages: set[str] = frozenset()) -> list[str]:
+    """Every import (statement or string) of a package module from a higher layer, and every dynamic import outside
+    THROUGH_STRINGS. sources: module -> source text; packages: the modules that are a package's __init__."""
+    modules = set(sources)
+    found = []
+    for module, text in sorted(sources.items()):
+        tree = ast.parse(text)
+        edges: set[tuple[str, str]] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges |= {(a.name, "import") for a in node.names if a.name.split(".")[0] == NAME}
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node, module in packages)
+                if target.split(".")[0] != NAME:
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    if sub in modules:
+                        edges.add((sub, "import"))
+                    elif not (target == NAME and alias.name == "__version__"):  # the version: any layer reads it
+                        edges.add((target, "import"))
+        edges |= {(t, "string") for t in string_imports(module, tree, modules)}
+        for target, how in sorted(edges):
+            if target in modules and target != module and layer_of(target) > layer_of(module):
+                found.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                             f"({'the package root' if layer_of(target) == len(LAYERS) else LAYERS[layer_of(target)][0]})"
+                             f"{' through a string' if how == 'string' else ''}: up the layer order")
+        allowed = THROUGH_STRINGS.get(module, set())
+        for call in sorted(dynamic_imports(tree) - allowed - {"exec_module"} if allowed else dynamic_imports(tree)):
+            found.append(f"{module} imports through a path or a string ({call})")
+    return found
+
+
+def test_imports_go_down_the_layers() -> None:
+    paths = _modules()
+    sources = {m: p.read_text() for m, p in paths.items()}
+    problems = layer_violations(sources, {m for m, p in paths.items() if p.name == "__init__.py"})
+    assert not problems, "\n".join(problems)
+
+
+def test_every_layer_is_in_the_map() -> None:
+    """docs/architecture.md names every layer of LAYERS."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for name, heads in LAYERS:
+        for head in heads:
+            assert f"`{head}" in text, f"docs/architecture.md does not name {head} (layer {name})"
+
+
+def test_the_layer_check_can_fail() -> None:
+    ok = {f"{NAME}.formats": "X = 1\n", f"{NAME}.core": f"from {NAME}.formats import X\n"}
+    assert layer_violations(ok) == []
+    up = {**ok, f"{NAME}.formats": f"from {NAME} import core\n"}
+    assert layer_violations(up) == [f"{NAME}.formats (formats) imports {NAME}.core (core): up the layer order"]
+    by_string = {**ok, f"{NAME}.formats": f"WHERE = '{NAME}.core:FlashInferCore'\n"}
+    assert layer_violations(by_string) == [
+        f"{NAME}.formats (formats) imports {NAME}.core (core) through a string: up the layer order"]
+    dynamic = {**ok, f"{NAME}.core": "import sys\nfrom importlib import import_module\nsys.path.insert(0, 'x')\n"
+                                      "m = import_module('peer')\n"}
+    assert layer_violations(dynamic) == [f"{NAME}.core imports through a path or a string (import_module)",
+                                         f"{NAME}.core imports through a path or a string (sys.path)"]

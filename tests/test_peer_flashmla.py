@@ -1,4 +1,4 @@
-"""The FlashMLA peer of the benchmark suite (benchmarks/peer_flashmla.py), on a CPU: its fp8_ds_mla packing of the
+"""The FlashMLA peer of the benchmark suite (vllm_kimi_dsa.bench.peers.flashmla), on a CPU: its fp8_ds_mla packing of the
 suite's rows, the query padding vLLM 0.33 does (64 / 128 heads), the call it makes, where it finds the harness, and
 the suite's options and tables around it (copy-bandwidth fraction, FlashMLA over our FP8). The kernel itself runs
 only on the device (the suite's build child checks it there against a float64 reference).
@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import peer_flashmla as pf  # noqa: E402
-import plot  # noqa: E402
-
-from vllm_kimi_dsa import bench as bs  # noqa: E402
+from vllm_kimi_dsa.bench import plot
+from vllm_kimi_dsa.bench import suite as bs
+from vllm_kimi_dsa.bench.peers import flashmla as pf
 
 
 def test_fp8_ds_mla_rows_are_656_bytes_and_round_trip() -> None:
@@ -103,7 +98,7 @@ def test_reference_ignores_holes() -> None:
 
 def test_harness_is_found_from_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(pf.ENV_DIR, raising=False)
-    monkeypatch.setattr(pf, "CHECKOUT_DIR", tmp_path / "none")
+    monkeypatch.setattr(pf, "CARRY_DIR", tmp_path / "none")
     ok, why = pf.available()
     assert not ok and "prepare.sh" in why
     bench_dir = tmp_path / "flashmla_bench"

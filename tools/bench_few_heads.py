@@ -7,7 +7,7 @@ Each form runs a batch as TritonDecode does: choose_plan's plan (whole rows, the
 lead, so its times are the ones plan_cost chooses between (benchmarks/fit_plan_cost.py reads the JSON). One process,
 each call in a CUDA graph rotating over input sets past 2x the L2, accuracy against the float32 reference first (5
 rows, holes, a count-0 row, 1 and 3 splits). "copy" is the KV bytes (rows x K x row bytes) over the copy bandwidth
-(vllm_kimi_dsa.bench.ceilings). Prints a table, writes DIR/few_heads_bench.json.
+(vllm_kimi_dsa.timing.ceilings). Prints a table, writes DIR/few_heads_bench.json.
 
     python3 tools/bench_few_heads.py --out DIR [--rows 1,5,20,80,160,320] [--heads 16,12] [--only NAMES]
         [--splits '80:1,2,3;5:8,16,32' --probe few-tail-regv]   (the probe: one launch at each split count, H = 16)
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from vllm_kimi_dsa import planning  # noqa: E402
-from vllm_kimi_dsa.bench import ceilings  # noqa: E402
+from vllm_kimi_dsa.timing import ceilings  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels import common as kcommon  # noqa: E402
 from vllm_kimi_dsa.kernels import gluon_few_heads as fh  # noqa: E402
@@ -36,7 +36,7 @@ from vllm_kimi_dsa.kernels import gluon_seesaw as gs  # noqa: E402
 from vllm_kimi_dsa.kernels import triton_decode as td  # noqa: E402
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason  # noqa: E402
 from bench_gluon import accuracy_case  # noqa: E402
-from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20

@@ -3,7 +3,7 @@
 
 A Triton kernel that only gathers (16 rows a program, 16-byte loads, an xor-reduction so nothing is written but one
 word a program) times reading rows x K rows of `row_bytes` at random slots of a 1 Mi-row cache, and the same rows
-in order, against the copy bandwidth of the same run (bytes read + written / s, vllm_kimi_dsa.bench.ceilings). No MMA, no
+in order, against the copy bandwidth of the same run (bytes read + written / s, vllm_kimi_dsa.timing.ceilings). No MMA, no
 shared memory, many CTAs an SM: what a decode kernel could reach if its gathers were all it did.
 
     PYTHONPATH=. python3 tools/bench_gather_floor.py --out DIR
@@ -23,9 +23,9 @@ import triton.language as tl
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from vllm_kimi_dsa.bench import ceilings  # noqa: E402
+from vllm_kimi_dsa.timing import ceilings  # noqa: E402
 
-from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20

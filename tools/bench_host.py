@@ -8,7 +8,7 @@ Triton's JIT dispatch of the converter, the main kernel and the combine.
 Per (heads, rows), on the same inputs (host cost is the question, not HBM, so nothing is rotated):
   host_us   the host's enqueue time of one layer-step (no sync inside the loop; kept under CUDA's launch queue)
   eager_us  the same loop to completion (synchronized at its end), per layer-step
-  graph_us  the layers captured in one graph, the median replay per layer-step (tune.cuda_graph_time_us)
+  graph_us  the layers captured in one graph, the median replay per layer-step (timing.cuda_graph_time_us)
 host_us >= graph_us means an eager step is host-bound.
 
     python3 tools/bench_host.py --out DIR [--heads 128,16] [--rows 1,5,20,80] [--layers 8] [--reps 16]
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step  # noqa: E402
-from vllm_kimi_dsa.tune import cuda_graph_time_us  # noqa: E402
+from vllm_kimi_dsa.timing import cuda_graph_time_us  # noqa: E402
 from vllm_kimi_dsa.vllm_glue import KimiDSACores  # noqa: E402
 
 WIDTH = 2048

@@ -194,7 +194,7 @@ def main() -> None:
                 print(f"RESULT {v['name']} shared {compile_variant(v).metadata.shared}")
         return
     from bench_gluon import CACHE_ROWS, K, OSCALE, SSCALE, time_rotated
-    from vllm_kimi_dsa.bench import ceilings
+    from vllm_kimi_dsa.timing import ceilings
 
     dev = torch.device("cuda")
     ceil = ceilings(dev, quick=True)

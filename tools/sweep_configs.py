@@ -21,13 +21,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from vllm_kimi_dsa.bench import ceilings  # noqa: E402
+from vllm_kimi_dsa.timing import ceilings  # noqa: E402
 from vllm_kimi_dsa.formats import LATENT_DIM, quantize_rows, row_bytes  # noqa: E402
 from vllm_kimi_dsa.kernels.common import make_workspace  # noqa: E402
 from vllm_kimi_dsa.kernels.triton_decode import sparse_mla_decode  # noqa: E402
 from vllm_kimi_dsa.planning import Config, choose_splits  # noqa: E402
 from vllm_kimi_dsa.reference import reference_decode  # noqa: E402
-from vllm_kimi_dsa.tune import cuda_graph_time_us, rotation_sets  # noqa: E402
+from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets  # noqa: E402
 
 K = 2048
 CACHE_ROWS = 1 << 20

@@ -5,7 +5,6 @@ Public names are loaded on first use, so `import vllm_kimi_dsa` stays cheap and 
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
@@ -33,7 +32,24 @@ __all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, its module imported on first use (plain imports, so the import graph sees every one)."""
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'vllm_kimi_dsa' has no attribute {name!r}")
-    return getattr(import_module(f"vllm_kimi_dsa.{module}"), name)
+    if module == "core":
+        from vllm_kimi_dsa import core as found
+    elif module == "selection":
+        from vllm_kimi_dsa import selection as found
+    elif module == "backends.flashinfer.plans":
+        from vllm_kimi_dsa.backends.flashinfer import plans as found
+    elif module == "heads":
+        from vllm_kimi_dsa import heads as found
+    elif module == "convert":
+        from vllm_kimi_dsa import convert as found
+    elif module == "reference":
+        from vllm_kimi_dsa import reference as found
+    elif module == "dcp":
+        from vllm_kimi_dsa import dcp as found
+    else:  # "vllm_glue"
+        from vllm_kimi_dsa import vllm_glue as found
+    return getattr(found, name)

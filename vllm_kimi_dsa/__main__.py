@@ -72,11 +72,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from vllm_kimi_dsa import bench
+    from vllm_kimi_dsa.bench import suite
 
-    p = sub.add_parser("bench", help="the benchmark suite (a CUDA GPU; JSON under --out, benchmarks/plot.py draws it)",
-                       description=bench.__doc__.split("\n")[0])
-    bench.add_arguments(p)
+    p = sub.add_parser("bench", help="the benchmark suite (a CUDA GPU; JSON under --out, vllm_kimi_dsa.bench.plot "
+                       "draws it)", description=suite.__doc__.split("\n")[0])
+    suite.add_arguments(p)
     return p
 
 
@@ -176,9 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_kimi_dsa import tune
 
         return tune.run(args, error)
-    from vllm_kimi_dsa import bench
+    from vllm_kimi_dsa.bench import suite
 
-    return bench.run(args, error)
+    return suite.run(args, error)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ def head_count(text: str) -> int:
 
 
 def top_k_width(text: str) -> int:
-    """A top-k width: a positive multiple of 128."""
+    """A top-k width: a positive multiple of 128 (widths.WIDTH_MULTIPLE)."""
+    from vllm_kimi_dsa.widths import WIDTH_MULTIPLE, is_width
+
     value = at_least_one(text)
-    if value % 128:
-        raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {value}")
+    if not is_width(value):
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of {WIDTH_MULTIPLE}, got {value}")
     return value
 
 

@@ -12,10 +12,10 @@ import triton
 import triton.language as tl
 
 from vllm_kimi_dsa.host_math import next_pow2
+from vllm_kimi_dsa.widths import check_width
 
 __all__ = ["convert_topk", "convert_topk_reference", "default_tile"]
 
-WIDTH_MULTIPLE = 128  # every top-k width K3.1's indexer emits is a multiple of this
 _MAX_TILE = 512
 _INT32_MAX = 2**31 - 1
 
@@ -169,9 +169,7 @@ def _check_scalars(
         raise ValueError(f"dcp_size * interleave and block_size must fit int32, got {D}*{I} and {B}")
     if n < 0:
         raise ValueError(f"rows must be >= 0, got {n}")
-    K = topk.shape[1]
-    if K <= 0 or K % WIDTH_MULTIPLE:
-        raise ValueError(f"topk width must be a positive multiple of {WIDTH_MULTIPLE}, got {K}")
+    check_width(topk.shape[1], "topk width")
     return B, S, D, r, I, n
 
 

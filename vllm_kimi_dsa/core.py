@@ -2,6 +2,8 @@
 
 Everything is checked, planned and allocated at construction; `decode`/`run`
 only validate host metadata (shapes, dtypes) and launch, so they replay in a CUDA graph.
+The class keeps the seed's name, FlashInferCore, so code written for the seed drops it in unchanged: it serves vLLM's
+FLASHINFER_MLA_SPARSE backend, though on Hopper it runs this package's Gluon / Triton kernels, not FlashInfer's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from vllm_kimi_dsa.backends.registry import build_kernel
 from vllm_kimi_dsa.convert import convert_topk
 from vllm_kimi_dsa.formats import (
     HEAD_DIM,
@@ -22,8 +25,9 @@ from vllm_kimi_dsa.formats import (
     row_bytes,
 )
 from vllm_kimi_dsa.heads import check_heads, heads_refusal
-from vllm_kimi_dsa.kernels import DecodeKernel, DecodeSetup, build_kernel
+from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup, check_query
 from vllm_kimi_dsa.selection import KERNELS, plan_rows_for
+from vllm_kimi_dsa.widths import check_width
 
 @dataclass(frozen=True)
 class Buffers:
@@ -100,8 +104,7 @@ class FlashInferCore:
         self.max_rows, self.width = self.buffers.slots.shape
         self.widths = tuple(sorted(set(widths) or {self.width}))
         for w in self.widths:
-            if w < 128 or w % 128:
-                raise ValueError(f"widths must be multiples of 128, got {w}")
+            check_width(w, "widths")
 
         self.capacities = tuple(capacities) if capacities else ()
         if self.capacities and max(self.capacities) > self.max_rows:
@@ -159,8 +162,7 @@ class FlashInferCore:
         if slots.dim() != 2 or not slots.is_contiguous():
             raise ValueError(f"slots must be a contiguous (R, K) tensor, got {tuple(slots.shape)}")
         rows, width = slots.shape
-        if width < 128 or width % 128:
-            raise ValueError(f"slots width K={width} must be a multiple of 128")
+        check_width(width, "slots width K")
         counts = _require(counts, "buffers[1] (counts)", torch.int32, device)
         if counts.shape != (rows,):
             raise ValueError(f"counts must be ({rows},), got {tuple(counts.shape)}")
@@ -261,7 +263,13 @@ class FlashInferCore:
         Returns latent (rows, H, 512) bf16 and lse (rows, H) float32 natural log
         (None without an lse buffer): views of the model's buffers.
         """
-        rows = self._check_query(query)
+        return self._decode(check_query(query, self.heads, self.device), query, cache, slots, counts, block_size)
+
+    def _decode(
+        self, rows: int, query: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """decode for a query check_query has passed (`rows` its rows): the other arguments checked, the kernel run."""
         kernel = self._kernel_by_rows.get(rows)
         if kernel is None:
             raise ValueError(f"query has {rows} rows; the kernel table has only {sorted(self.kernels)}")
@@ -282,34 +290,22 @@ class FlashInferCore:
         kernel(query, kv_rows, slots, counts, out, lse, block_size=block_size, rows_per_block_stride=stride_rows)
         return out, lse
 
-    def _check_query(self, query: torch.Tensor) -> int:
-        _require(query, "query", torch.float8_e4m3fn, self.device)
-        if query.dim() != 3 or query.shape[1:] != (self.heads, HEAD_DIM):
-            raise ValueError(f"query must be (rows, {self.heads}, {HEAD_DIM}), got {tuple(query.shape)}")
-        if not query.is_contiguous():
-            raise ValueError("query must be contiguous")
-        return query.shape[0]
-
     def run(
         self, query: torch.Tensor, cache: torch.Tensor, topk: torch.Tensor, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """convert then decode: topk (>= rows, K) ids -> latent (rows, H, 512), lse (rows, H)."""
         # Checked before convert writes the model's slots/counts: a rejected call leaves them as they were.
-        rows = self._check_query(query)
+        rows = check_query(query, self.heads, self.device)
         block_size = int(metadata.block_size)
         _, stride_rows = self.rows(cache, block_size)
         interleave = int(getattr(metadata, "cp_kv_cache_interleave_size", 1) or 1)
         slots, counts = self.convert(topk, metadata, rows, stride_rows, interleave)
-        return self.decode(query, cache, slots, counts, block_size)
+        return self._decode(rows, query, cache, slots, counts, block_size)
 
     @property
     def counts(self) -> torch.Tensor:
         """The counts buffer (R,) int32; rows [:rows] hold the last convert's counts (DCP merge input)."""
         return self.buffers.counts
-
-    def kernel_for_rows(self, rows: int) -> str:
-        """The kernel name this core runs for a batch of `rows`."""
-        return self.kernels[rows]
 
     def decode_kernel(self, rows: int) -> DecodeKernel:
         """The DecodeKernel object that runs a batch of `rows` (its plans, config and workspace)."""

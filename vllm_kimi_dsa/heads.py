@@ -13,12 +13,15 @@ from vllm_kimi_dsa.arguments import positive_int
 # K3 (96) 96..6; TP1 pads K3's 96 to 128 for the FlashInfer kernels; DCP's query mailbox is at most 128 wide.
 MAX_HEADS = 128
 SUPPORTED_HEADS: range = range(1, MAX_HEADS + 1)
+# The split of the Hopper kernels: at most this many heads a rank run in 16- (or 8-) head blocks (the few-heads Gluon
+# kernel, the plain kernel's 16 / 32-head configs); above it, in 64-head blocks (seesaw / gluon_decode, 64-head tiles).
+FEW_HEADS_MAX = 32
 
 # Heads each kernel takes (SPEC 2): prims_ts at most 128; trtllm-gen at most 64 or exactly 128; ours 1 to 128.
 _RULES: dict[str, tuple[str, object]] = {
-    "prims_ts": ("takes at most 128 heads", lambda h: 1 <= h <= 128),
+    "prims_ts": (f"takes at most {MAX_HEADS} heads", lambda h: 1 <= h <= MAX_HEADS),
     "trtllm": ("takes at most 64 heads or exactly 128", lambda h: 1 <= h <= 64 or h == 128),
-    "triton": ("takes 1 to 128 heads", lambda h: 1 <= h <= MAX_HEADS),
+    "triton": (f"takes 1 to {MAX_HEADS} heads", lambda h: 1 <= h <= MAX_HEADS),
 }
 
 
@@ -63,4 +66,4 @@ def rank_heads_refusal(heads: int, dcp: int = 1, tp: int | None = None) -> str |
     return f"{where}: the sparse kernels take 1 to {MAX_HEADS}; use " + " or ".join(fixes)
 
 
-__all__ = ["MAX_HEADS", "SUPPORTED_HEADS", "check_heads", "heads_refusal", "rank_heads_refusal"]
+__all__ = ["FEW_HEADS_MAX", "MAX_HEADS", "SUPPORTED_HEADS", "check_heads", "heads_refusal", "rank_heads_refusal"]

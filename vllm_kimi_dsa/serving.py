@@ -2,18 +2,22 @@
 
 One LayerStep per DSA layer, every layer on one set of shared buffers; batches above the planned rows (prefill
 chunks, mixed and speculative batches) run in pieces of planned size. The H200 runs this without vLLM installed.
+`build_layers` is the one construction of DSA layers (kernel table, trtllm workspace, shared buffers, one core a
+layer) that LayerStep (vLLM's backend) and vllm_glue.KimiDSACores (a model's cores) both call; `planned_layout` is
+how a vLLM config plans them (rows, capacities, width).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from vllm_kimi_dsa.core import FlashInferCore
 from vllm_kimi_dsa.formats import LATENT_DIM, CacheFormat, normalize_format
+from vllm_kimi_dsa.widths import check_width, round_width
 
 
 def kernel_table(
@@ -96,8 +100,7 @@ class StepShape:
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.width < 128 or self.width % 128:
-            raise ValueError(f"width must be a positive multiple of 128, got {self.width}")
+        check_width(self.width, "width")
         object.__setattr__(self, "fmt", normalize_format(self.fmt))
         object.__setattr__(self, "device", torch.device(self.device))
 
@@ -119,6 +122,13 @@ def planned_rows(vllm_config: Any) -> tuple[int, tuple[int, ...]]:
     return max_rows, tuple(sorted({c for c in capture if c <= max_rows} | {max_rows}))
 
 
+def planned_layout(vllm_config: Any, width: int) -> tuple[int, tuple[int, ...], int]:
+    """(max_rows, capacities, width) of a vLLM model's DSA layers: planned_rows, and the model's top-k width (its
+    index_topk or top-k buffer's) rounded up to a multiple of 128 (widths.round_width)."""
+    max_rows, capacities = planned_rows(vllm_config)
+    return max_rows, capacities, round_width(width)
+
+
 def prepare_trtllm_workspace(impl: Any, layer: Any, kernels: Mapping[int, str], device: torch.device) -> None:
     """Set the impl's trtllm-gen workspace now when the table runs trtllm (vLLM sets it on the first forward)."""
     if "trtllm" in kernels.values() and getattr(impl, "_workspace_buffer", None) is None:
@@ -135,6 +145,48 @@ def shared_buffers(shape: StepShape) -> SharedBuffers:
     if key not in _BUFFERS:
         _BUFFERS[key] = SharedBuffers.make(shape.max_rows, shape.heads, shape.width, shape.return_lse, shape.device)
     return _BUFFERS[key]
+
+
+@dataclass(frozen=True)
+class Layers:
+    """What build_layers made: the kernel table {rows: name}, the buffers every core writes, one core a layer."""
+
+    kernels: dict[int, str]
+    buffers: SharedBuffers
+    cores: list[FlashInferCore]
+
+
+def build_layers(
+    pairs: Sequence[tuple[Any, Any]],
+    shape: StepShape,
+    *,
+    kernels: str | os.PathLike[str] | Mapping[int, str] | None = None,
+    batch_sizes: Iterable[int] | None = None,
+    buffers: SharedBuffers | None = None,
+    validate: bool = False,
+) -> Layers:
+    """The one construction of DSA layers on `shape`: the kernel table, each impl's trtllm-gen workspace when the
+    table runs trtllm, the shared buffers, and one FlashInferCore per (impl, layer) pair, all planned here.
+
+    pairs: (impl, layer) per layer (impl: vLLM's FlashInferMLASparseImpl or a stand-in; layer: has _q_scale_float,
+        _k_scale_float). kernels: kernel_table's `table` (a {rows: name} mapping, a table file, None: this
+        machine's). batch_sizes: the batch sizes the cores run (default 1..shape.max_rows). buffers: the buffers to
+        write (default shared_buffers(shape), one set a process for this shape). validate: the cores' debug checks.
+    """
+    sizes = range(1, shape.max_rows + 1) if batch_sizes is None else batch_sizes
+    table = kernel_table(sizes, dcp=shape.dcp, heads=shape.heads, kv_cache_dtype=shape.fmt, device=shape.device,
+                         table=kernels)
+    for impl, layer in pairs:
+        prepare_trtllm_workspace(impl, layer, table, shape.device)
+    buffers = shared_buffers(shape) if buffers is None else buffers
+    cores = [
+        FlashInferCore(
+            impl, layer, shape.heads, buffers.as_tuple(), table, dcp=shape.dcp, rank=shape.rank,
+            capacities=shape.capacities or None, widths=(shape.width,), kv_cache_dtype=shape.fmt, validate=validate,
+        )
+        for impl, layer in pairs
+    ]
+    return Layers(table, buffers, cores)
 
 
 class LayerStep:
@@ -155,18 +207,8 @@ class LayerStep:
         kernels: Mapping[int, str] | None = None,
     ) -> None:
         self.shape = shape
-        rows = range(1, shape.max_rows + 1)
-        self.kernels = kernel_table(
-            rows, dcp=shape.dcp, heads=shape.heads, kv_cache_dtype=shape.fmt, device=shape.device,
-            table=kernels,
-        )
-        prepare_trtllm_workspace(impl, layer, self.kernels, shape.device)
-        self.buffers = shared_buffers(shape)
-        self.core = FlashInferCore(
-            impl, layer, shape.heads, self.buffers.as_tuple(), self.kernels,
-            dcp=shape.dcp, rank=shape.rank, capacities=shape.capacities or None, widths=(shape.width,),
-            kv_cache_dtype=shape.fmt,
-        )
+        built = build_layers([(impl, layer)], shape, kernels=kernels)
+        self.kernels, self.buffers, self.core = built.kernels, built.buffers, built.cores[0]
 
     def __call__(
         self,
@@ -215,4 +257,5 @@ class LayerStep:
         return self.core.decode(query, kv_cache, slots, counts, block_size)
 
 
-__all__ = ["LayerStep", "SharedBuffers", "StepShape", "kernel_table", "planned_rows", "prepare_trtllm_workspace", "shared_buffers"]
+__all__ = ["LayerStep", "Layers", "SharedBuffers", "StepShape", "build_layers", "kernel_table", "planned_layout",
+           "planned_rows", "prepare_trtllm_workspace", "shared_buffers"]

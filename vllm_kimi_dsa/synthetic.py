@@ -13,9 +13,6 @@ import torch
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, make_paged_cache
 
-K3_HEADS = 96  # Kimi K3 query heads; TP1 pads to 128, TP8 gives 12 a rank
-K3_TOPK = 2048
-
 
 @dataclass
 class StandInImpl:

@@ -10,20 +10,19 @@ import datetime as _dt
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from vllm_kimi_dsa import cli_types
+from vllm_kimi_dsa.timing import cuda_graph_time_us, rotation_sets, wall_time_us
+from vllm_kimi_dsa.widths import check_width
 
 # Batch sizes measured by default: every small batch (where the kernels differ most), then the
 # CUDA-graph sizes vLLM captures up to K3.1's decode batch.
 DEFAULT_ROWS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320)
-L2_BYTES = 60 * 2**20  # H200 / B200 L2: the rotation must read more than this per replay
 
 
 @dataclass(frozen=True)
@@ -98,68 +97,6 @@ def fastest(us: Mapping[str, Mapping[int, float]], rows: Iterable[int]) -> dict[
         if best is not None:
             choice[r] = best[1]
     return choice
-
-
-# ---------------------------------------------------------------- timing
-
-
-def cuda_graph_time_us(calls: Sequence[Callable[[], Any]], *, reps_time_s: float = 0.05,
-                       min_reps: int = 10, max_reps: int = 200) -> float:
-    """Median µs per call of `calls`, run back to back inside one CUDA graph replayed many times.
-
-    Each call is run once eagerly on a side stream first (compiles, allocates what it allocates),
-    then all are captured into one graph; the graph is replayed and timed with CUDA events, one
-    pair per replay, and the median replay time is divided by len(calls). Rotating over several
-    calls that read different data keeps the KV reads out of L2.
-    """
-    import torch
-
-    if not calls:
-        raise ValueError("calls must not be empty")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    once = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max_reps, max(min_reps, reps_time_s / once)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    del graph
-    return ms * 1e3 / len(calls)
-
-
-def wall_time_us(calls: Sequence[Callable[[], Any]], reps: int = 2) -> float:
-    """Host wall µs per call (CPU / interpreter runs, where only the plumbing is being checked)."""
-    for c in calls:
-        c()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for c in calls:
-            c()
-    return (time.perf_counter() - t0) * 1e6 / (reps * len(calls))
-
-
-def rotation_sets(bytes_per_call: int, *, lo: int = 2, hi: int = 32) -> int:
-    """How many different input sets a graph rotates through so one replay reads > 2x L2."""
-    return int(min(hi, max(lo, math.ceil(2 * L2_BYTES / max(bytes_per_call, 1)))))
 
 
 class CoreTimer:
@@ -329,8 +266,7 @@ def tune(
     rows_t = tuple(sorted(set(int(r) for r in rows)))
     if not rows_t or rows_t[0] < 1:
         raise ValueError(f"rows must be positive batch sizes, got {tuple(rows)}")
-    if width < 128 or width % 128:
-        raise ValueError(f"width must be a multiple of 128, got {width}")
+    check_width(width, "width")
     if dcp < 1:
         raise ValueError(f"dcp must be >= 1, got {dcp}")
     fmt = normalize_format(kv_cache_dtype)

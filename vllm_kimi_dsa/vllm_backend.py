@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.heads import rank_heads_refusal
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_rows
+from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_layout
 
 logger = init_logger(__name__)
 
@@ -256,11 +256,10 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
     def step_shape(self, device: torch.device, width: int | None = None) -> StepShape:
         """The StepShape of this layer under the current vLLM config (every layer of a model gets the same one)."""
         config = self._vllm_config
-        max_rows, capacities = planned_rows(config)
         if width is None:
             buffer = self.topk_indices_buffer
             width = int(buffer.shape[1]) if buffer is not None else int(config.model_config.hf_text_config.index_topk)
-        width = -(-width // 128) * 128
+        max_rows, capacities, width = planned_layout(config, width)
         return StepShape(
             device=device,
             heads=self.num_heads * self.dcp_world_size,

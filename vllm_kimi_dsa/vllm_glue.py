@@ -13,12 +13,12 @@ from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.dcp import LOG2_E
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import SharedBuffers, kernel_table, planned_rows, prepare_trtllm_workspace
+from vllm_kimi_dsa.widths import check_width
+from vllm_kimi_dsa.serving import SharedBuffers, StepShape, build_layers, kernel_table, planned_layout
 
 logger = init_logger(__name__)
 
 KERNEL_TABLE_ENV = envs.KERNEL_TABLE
-_IMPL_PATH = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 BACKEND_CLASS = "vllm_kimi_dsa.vllm_backend.KimiDSAFlashInferMLASparseBackend"
 
 _registered = False
@@ -30,9 +30,9 @@ _registered = False
 def _flashinfer_sparse_impl_cls() -> type | None:
     """vLLM's FlashInferMLASparseImpl, or None when vLLM (or that backend) cannot be imported."""
     try:
-        from importlib import import_module
+        from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
 
-        return getattr(import_module(_IMPL_PATH), "FlashInferMLASparseImpl", None)
+        return FlashInferMLASparseImpl
     except Exception:  # vLLM missing, or broken on this machine: not our path, never an error
         return None
 
@@ -125,8 +125,6 @@ class KimiDSACores:
         lse_base2: bool | None = None,
         validate: bool = False,
     ) -> None:
-        from vllm_kimi_dsa.core import FlashInferCore
-
         if not layers:
             raise ValueError("layers must hold at least one DSA layer")
         pairs = []
@@ -144,9 +142,7 @@ class KimiDSACores:
         self.dcp = int(dcp if dcp is not None else getattr(impl0, "dcp_world_size", 1) or 1)
         self.rank = int(rank if rank is not None else getattr(impl0, "dcp_rank", 0) or 0)
         self.heads = int(heads)
-        if not isinstance(width, int) or width < 128 or width % 128:
-            raise ValueError(f"width must be a positive multiple of 128, got {width!r}")
-        self.width = width
+        self.width = check_width(width, "width")
         self.batch_sizes = tuple(sorted({int(r) for r in batch_sizes}))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
@@ -162,35 +158,15 @@ class KimiDSACores:
                 if getattr(impl, "lse_base_on_e", True) != getattr(impl0, "lse_base_on_e", True):
                     raise ValueError(f"layers[{i}]: lse_base_on_e differs from layer 0's (one LSE base for all layers)")
 
-        self.kernels = kernel_table(
-            self.batch_sizes,
-            dcp=self.dcp,
-            heads=self.heads,
-            kv_cache_dtype=self.fmt,
-            device=self.device,
-            table=kernels if kernels is not None else table,
-        )
-        for impl, layer in pairs:
-            prepare_trtllm_workspace(impl, layer, self.kernels, self.device)
-
-        h, k = self.heads, self.width
-        self.buffers = SharedBuffers.make(self.max_rows, h, k, self.return_lse, self.device)
-        self.cores = [
-            FlashInferCore(
-                impl,
-                layer,
-                h,
-                self.buffers.as_tuple(),
-                self.kernels,
-                dcp=self.dcp,
-                rank=self.rank,
-                capacities=capacities,
-                widths=(k,),
-                kv_cache_dtype=self.fmt,
-                validate=validate,
-            )
-            for impl, layer in pairs
-        ]
+        shape = StepShape(device=self.device, heads=self.heads, width=self.width, fmt=self.fmt,
+                          max_rows=self.max_rows, return_lse=self.return_lse, dcp=self.dcp, rank=self.rank,
+                          capacities=tuple(capacities) if capacities else ())
+        # this model's own buffers (not serving's process-wide set): KimiDSACores of two models never share them
+        built = build_layers(pairs, shape, kernels=kernels if kernels is not None else table,
+                             batch_sizes=self.batch_sizes, validate=validate,
+                             buffers=SharedBuffers.make(self.max_rows, self.heads, self.width, self.return_lse,
+                                                        self.device))
+        self.kernels, self.buffers, self.cores = built.kernels, built.buffers, built.cores
 
     @classmethod
     def from_vllm(cls, layers: Sequence[Any], vllm_config: Any, **overrides: Any) -> "KimiDSACores":
@@ -207,12 +183,10 @@ class KimiDSACores:
         if pair is None:
             raise TypeError(f"layers[0] ({type(layers[0]).__name__}) has no .mla_attn.mla_attn.impl or .impl")
         impl = pair[0]
-        max_rows, capacities = planned_rows(vllm_config)
         dcp = int(getattr(impl, "dcp_world_size", 1) or 1)
         heads = getattr(impl, "q_pad_num_heads", None) or int(impl.num_heads) * dcp
         hf = getattr(vllm_config.model_config, "hf_text_config", None)
-        width = int(getattr(hf, "index_topk", 2048) or 2048)
-        width = -(-width // 128) * 128
+        max_rows, capacities, width = planned_layout(vllm_config, int(getattr(hf, "index_topk", 2048) or 2048))
         kw: dict[str, Any] = dict(
             heads=int(heads),
             batch_sizes=range(1, max_rows + 1),

@@ -1,34 +1,13 @@
-"""Decode kernels the core runs, by name: FlashInfer's prims_ts and trtllm-gen, our Triton kernel.
+"""This package's own decode kernels, as leaves: the plain Triton kernel (triton_decode) and the Hopper Gluon kernels
+(gluon_decode, gluon_seesaw, gluon_few_heads), what they share (common), and the contract every decode kernel of the
+core keeps (base: DecodeSetup, DecodeKernel, check_query).
 
-Each is imported only when asked for, so a machine without FlashInfer still runs `triton`.
+FlashInfer's kernels and the dispatcher that binds these leaves are backends (vllm_kimi_dsa.backends); which class
+runs each kernel name is backends.registry's.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
+from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup, check_query
 
-from vllm_kimi_dsa.kernels.base import DecodeKernel, DecodeSetup
-
-# name -> "module:Class"; every class follows the DecodeKernel protocol.
-_KERNEL_CLASSES: dict[str, str] = {
-    "prims_ts": "vllm_kimi_dsa.backends.flashinfer.prims_ts:PrimsTsDecode",
-    "trtllm": "vllm_kimi_dsa.backends.flashinfer.trtllm:TrtllmDecode",
-    "triton": "vllm_kimi_dsa.backends.hopper.dispatch:TritonDecode",
-}
-
-
-def kernel_class(name: str) -> type[DecodeKernel]:
-    """The DecodeKernel class of a kernel name in KERNELS."""
-    try:
-        module, cls = _KERNEL_CLASSES[name].split(":")
-    except KeyError:
-        raise ValueError(f"kernel {name!r} is not one this package runs; known: {sorted(_KERNEL_CLASSES)}") from None
-    return getattr(import_module(module), cls)
-
-
-def build_kernel(name: str, setup: DecodeSetup) -> DecodeKernel:
-    """Construct (and so plan / allocate for) kernel `name` for `setup`."""
-    return kernel_class(name)(setup)
-
-
-__all__ = ["DecodeKernel", "DecodeSetup", "build_kernel", "kernel_class"]
+__all__ = ["DecodeKernel", "DecodeSetup", "check_query"]

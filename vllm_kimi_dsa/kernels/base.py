@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from vllm_kimi_dsa.formats import CacheFormat
+from vllm_kimi_dsa.formats import HEAD_DIM, CacheFormat
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class DecodeSetup:
     def max_rows(self) -> int:
         return max(self.row_counts)
 
-    @property
-    def max_width(self) -> int:
-        return max(self.widths)
-
 
 class DecodeKernel(Protocol):
     """A sparse MLA decode kernel as the core calls it.
@@ -81,3 +77,22 @@ class DecodeKernel(Protocol):
         block_size: int,
         rows_per_block_stride: int,
     ) -> None: ...
+
+
+def check_query(query: Any, heads: int | None = None, device: torch.device | None = None) -> int:
+    """The decode query's contract, checked in this one place: a contiguous (rows, H, 576) float8_e4m3fn tensor (H =
+    `heads` and on `device` when given). Returns rows; TypeError / ValueError naming `query`.
+
+    The core checks it once a decode (before its kernel runs, which trusts it); one-off kernel calls check it with the
+    rest of their arguments (kernels.common.check_inputs)."""
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    if query.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"query must be {torch.float8_e4m3fn}, got {query.dtype}")
+    if device is not None and query.device != device:
+        raise ValueError(f"query is on {query.device}, the core's buffers are on {device}")
+    if query.dim() != 3 or query.shape[-1] != HEAD_DIM or (heads is not None and query.shape[1] != heads):
+        raise ValueError(f"query must be (rows, {'H' if heads is None else heads}, {HEAD_DIM}), got {tuple(query.shape)}")
+    if not query.is_contiguous():
+        raise ValueError("query must be contiguous")
+    return query.shape[0]

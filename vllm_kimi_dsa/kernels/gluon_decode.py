@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels.common import LN2, Workspace
 from vllm_kimi_dsa.kernels.common.gluon import (
@@ -403,4 +404,5 @@ def gluon_sparse_mla_decode(
 
 
 def _bad_heads(heads: int) -> str:
-    return "" if heads > 32 else f"query must have > 32 heads for the 64-head Gluon kernels, got {heads}"
+    return "" if heads > FEW_HEADS_MAX else (f"query must have > {FEW_HEADS_MAX} heads for the 64-head Gluon kernels, "
+                                             f"got {heads}")

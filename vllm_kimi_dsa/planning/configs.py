@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_kimi_dsa.formats import CacheFormat, normalize_format
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 from vllm_kimi_dsa.planning.cost import Config
 
 # The 64-head Gluon kernels: a split CTA's 64 x 512 partial written and read back by the combine, in tiles' worth
@@ -36,7 +37,7 @@ def default_config(heads: int, fmt: CacheFormat) -> Config:
     nvfp4 16-head blocks of the head-major one with register prefetch and lazy rescaling.
     """
     fmt = normalize_format(fmt)
-    if heads > 32:
+    if heads > FEW_HEADS_MAX:
         return Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
     if fmt == "fp8":
         if heads > 16:

@@ -13,12 +13,14 @@ import torch
 from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.backends.hopper.variants import GluonChoice, gluon_choice, seesaw_takes
 from vllm_kimi_dsa.formats import normalize_format
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX, heads_refusal
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.base import DecodeSetup
-from vllm_kimi_dsa.kernels.common import check_inputs, num_sms, run_plan, shared_workspace
+from vllm_kimi_dsa.kernels.common import check_operands, num_sms, run_plan, shared_workspace
 from vllm_kimi_dsa.kernels.common.gluon import gluon_available
 from vllm_kimi_dsa.logs import init_logger
 from vllm_kimi_dsa.planning import choose_lead, choose_plan, default_config, plan_cost, plan_table
+from vllm_kimi_dsa.widths import check_width
 
 logger = init_logger(__name__)
 
@@ -101,7 +103,8 @@ class TritonDecode:
         block_size: int,
         rows_per_block_stride: int,
     ) -> None:
-        check_inputs(query, kv_rows, slots, counts, self.fmt, out, lse)
+        # the query was checked by the core (kernels.base.check_query), once a decode; the rest here
+        check_operands(query, kv_rows, slots, counts, self.fmt, out, lse)
         rows, heads = query.shape[0], query.shape[1]
         if heads != self.setup.heads:
             raise ValueError(f"query has {heads} heads, the kernel was set up for {self.setup.heads}")
@@ -137,11 +140,13 @@ class TritonDecode:
 
 
 def _check_setup(setup: DecodeSetup) -> None:
-    if setup.heads < 1 or setup.heads > 128:
-        raise ValueError(f"heads must be in 1..128 for the triton kernel, got {setup.heads}")
-    bad = [w for w in setup.widths if w < 128 or w % 128]
-    if bad or not setup.widths:
-        raise ValueError(f"widths must be non-empty multiples of 128, got {setup.widths}")
+    refusal = heads_refusal(TritonDecode.name, setup.heads)
+    if refusal:
+        raise ValueError(f"heads={setup.heads}: {refusal}")
+    if not setup.widths:
+        raise ValueError("setup.widths must not be empty")
+    for w in setup.widths:
+        check_width(w, "setup.widths")
 
 
 def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
@@ -150,7 +155,7 @@ def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
     want = envs.gluon_choice()
     fp8_pv = envs.fp8_pv()
     choice = gluon_choice(fmt, setup.heads, want, fp8_pv)
-    if fp8_pv and want != "0" and fmt == "fp8" and setup.heads > 32 and not getattr(choice and choice.params, "pv_fp8", False):
+    if fp8_pv and want != "0" and fmt == "fp8" and setup.heads > FEW_HEADS_MAX and not getattr(choice and choice.params, "pv_fp8", False):
         logger.warning("%s=1: P.V on e4m3 is not verified on this Triton, the default kernels run (%s=1 forces it)",
                        envs.FP8_PV, envs.GLUON)
     if choice is None or not gluon_available(setup.device) or not (want == "1" or choice.verified):

@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels import gluon_decode, gluon_few_heads, gluon_seesaw
 from vllm_kimi_dsa.kernels.common.gluon import triton_is
@@ -54,7 +55,7 @@ SEESAW_MIN_TILES = 8
 # nvfp4 at 17..32 heads: plans of at least this many rows run on the seesaw kernel's nvfp4 form (one 64-head block,
 # each row converted once) instead of the few-heads form (each row converted once a 16-head block). H100, K 2048,
 # 32 heads, seesaw vs few-heads µs: 1 row 11.4 / 10.0, 5: 15.4 / 14.6, 8: 16.4 / 16.4, 20: 26.7 / 28.3,
-# 80: 77.3 / 87.4, 160: 140.4 / 162.6, 320: 259.8 / 307.6 (benchmarks/results/latest/h100-2026-12-05c, bench_few_heads)
+# 80: 77.3 / 87.4, 160: 140.4 / 162.6, 320: 259.8 / 307.6 (benchmarks/results/latest/v24-e4m3-row-shift, bench_few_heads)
 NVFP4_SEESAW_MIN_ROWS = 8
 
 
@@ -109,7 +110,7 @@ def gluon_choice(fmt: str, heads: int, want: str, fp8_pv: bool = False) -> Gluon
     launch on the seesaw kernel's P.V-on-e4m3 form where it was verified (or want "1"), else the default kernels."""
     if want == "0":
         return None
-    if heads > 32:
+    if heads > FEW_HEADS_MAX:
         if fmt != "fp8":  # nvfp4: every launch on the seesaw kernel (gluon_decode's has no nvfp4 form)
             nv = gluon_seesaw.nvfp4_seesaw_params()
             return GluonChoice(nv, gluon_seesaw.launch, nv.config(), verified=verified("seesaw-nvfp4"),

@@ -12,6 +12,7 @@ from vllm_kimi_dsa.kernels.common.workspace import (
     Workspace,
     check_inputs,
     check_lead,
+    check_operands,
     make_workspace,
     num_sms,
     one_off_scratch,
@@ -20,5 +21,5 @@ from vllm_kimi_dsa.kernels.common.workspace import (
     shared_workspace,
 )
 
-__all__ = ["LN2", "LOG2E", "PARTIAL_DTYPE", "Workspace", "check_inputs", "check_lead", "combine", "combine_kernel",
+__all__ = ["LN2", "LOG2E", "PARTIAL_DTYPE", "Workspace", "check_inputs", "check_lead", "check_operands", "combine", "combine_kernel",
            "combine_warps", "make_workspace", "num_sms", "one_off_scratch", "run_plan", "scratch", "shared_workspace"]

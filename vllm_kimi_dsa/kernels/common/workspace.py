@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
+from vllm_kimi_dsa.formats import LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
+from vllm_kimi_dsa.kernels.base import check_query
 from vllm_kimi_dsa.planning import Config, choose_splits, default_config, plan_table, split_entries
 
 
@@ -108,11 +109,15 @@ def shared_workspace(
 
 
 def check_inputs(query, kv_rows, slots, counts, fmt, out, lse) -> None:
-    """Every argument of a decode call against its contract (kernels/base.py DecodeKernel), naming the argument."""
-    if query.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"query must be float8_e4m3fn, got {query.dtype}")
-    if query.dim() != 3 or query.shape[-1] != HEAD_DIM or query.stride(-1) != 1:
-        raise ValueError(f"query must be (rows, H, {HEAD_DIM}) with unit last stride, got {tuple(query.shape)}")
+    """Every argument of a one-off decode call against its contract (kernels/base.py DecodeKernel), naming the
+    argument: the query (kernels.base.check_query), then the rest (check_operands)."""
+    check_query(query)
+    check_operands(query, kv_rows, slots, counts, fmt, out, lse)
+
+
+def check_operands(query, kv_rows, slots, counts, fmt, out, lse) -> None:
+    """Every argument but the query itself (checked once, by the core or check_inputs) against its contract, rows and
+    heads read from the query's shape, naming the argument."""
     rows, heads = query.shape[0], query.shape[1]
     if kv_rows.dtype != cache_dtype(fmt):
         raise TypeError(f"kv_rows must be {cache_dtype(fmt)} for {fmt}, got {kv_rows.dtype}")

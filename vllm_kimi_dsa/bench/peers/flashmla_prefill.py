@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The Hopper prefill peer: FlashMLA's SM90 sparse prefill (`flash_mla_sparse_fwd`) as vLLM 0.33 runs it for a
 prefill chunk on an FP8 cache (FLASHMLA_SPARSE's separate prefill / decode path, >= 32 heads a rank).
 
@@ -16,17 +15,18 @@ FlashMLA's FP8 sparse decode kernel ("mixed batch"); the suite still times this 
 
 Two builds of the kernel, found by `find_peer`:
 - FlashMLA 9241ae3 compiled here (benchmarks/peers/flashmla_prefill/prepare.sh: sm_90a objects + the API generated
-  from FlashMLA's sparse_fwd.h into .carry/flashmla_prefill/), linked against the running torch by build_ext.py;
+  from FlashMLA's sparse_fwd.h into .carry/flashmla_prefill/, with its build_ext.py), linked against the running
+  torch by that build_ext.py (run as a child);
 - vLLM 0.33's own `_flashmla_C.abi3.so` (torch's stable ABI, so it may load on another torch), copied beside them
   by prepare.sh: exactly the kernel vLLM runs, where it loads.
 
-    python3 peer.py --build [HARNESS_DIR] [--build-dir B]   builds, loads, checks small cases; JSON lines on stdout
+    python -m vllm_kimi_dsa.bench.peers.flashmla_prefill --build [HARNESS_DIR] [--build-dir B]
+        builds, loads, checks small cases; JSON lines on stdout
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -37,20 +37,21 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_kimi_dsa.bench.peers import CARRY, load_extension, run_build_script
+
 D_QK, D_V = 576, 512
 HEAD_PAD = 64  # vLLM's FlashMLASparseImpl.prefill_padding: the BF16 prefill kernel takes 64 or 128 heads
 ENV_DIR = "FLASHMLA_PREFILL_DIR"  # the harness folder (objs/, api_prefill.cpp; FlashMLA's tree beside it)
 ENV_SO = "FLASHMLA_PREFILL_SO"  # an extension built earlier (skips the build)
-HERE = Path(__file__).resolve().parent
-CHECKOUT_DIR = HERE.parents[2] / ".carry" / "flashmla_prefill"
+CARRY_DIR = CARRY / "flashmla_prefill"
 EXT_NAME = "flash_mla_sm90_sparse_prefill"
 VLLM_SO = "vllm_flashmla_C.abi3.so"
 
 
 def harness_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
-    """`given`, else $FLASHMLA_PREFILL_DIR, else the checkout's .carry/flashmla_prefill: the first that holds the
+    """`given`, else $FLASHMLA_PREFILL_DIR, else .carry/flashmla_prefill (CARRY_DIR): the first that holds the
     generated API; None where none does."""
-    for cand in (given, os.environ.get(ENV_DIR), CHECKOUT_DIR):
+    for cand in (given, os.environ.get(ENV_DIR), CARRY_DIR):
         if cand and (Path(cand) / "api_prefill.cpp").is_file():
             return Path(cand).resolve()
     return None
@@ -62,22 +63,22 @@ def available(given: str | os.PathLike[str] | None = None) -> tuple[bool, str]:
         return True, os.environ[ENV_SO]
     d = harness_dir(given)
     if d is None:
-        return False, (f"no prefill peer harness (${ENV_DIR} or {CHECKOUT_DIR}; "
+        return False, (f"no prefill peer harness (${ENV_DIR} or {CARRY_DIR}; "
                        "bash benchmarks/peers/flashmla_prefill/prepare.sh)")
     missing = [str(p) for p in (d / "objs" / "phase1_k576_topklen.o", d / "objs" / "phase1_k576.o",
-                                d.parent / "flashmla" / "csrc") if not p.exists()]
+                                d / "build_ext.py", d.parent / "flashmla" / "csrc") if not p.exists()]
     if missing:
         return False, f"harness {d} incomplete: missing {missing}"
     return True, str(d)
 
 
 def build(d: Path, build_dir: str | os.PathLike[str]) -> str:
-    """Link the extension from the harness's objects against this torch; returns its .so path."""
-    spec = importlib.util.spec_from_file_location("flashmla_prefill_build_ext", HERE / "build_ext.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return str(mod.load_ext(str(d), str(build_dir)).__file__)
+    """Link the extension from the harness's objects against this torch with the harness's build_ext.py (a child
+    process: `build_ext.py HARNESS BUILD_DIR` prints the built .so's path last); returns that path."""
+    lines = run_build_script(d / "build_ext.py", str(d), str(build_dir)).strip().splitlines()
+    if not lines or not lines[-1].endswith(".so"):
+        raise RuntimeError(f"{d / 'build_ext.py'} did not print the extension it built: {lines[-5:]}")
+    return lines[-1]
 
 
 def load(so_path: str | os.PathLike[str]) -> Callable[..., Any]:
@@ -88,11 +89,7 @@ def load(so_path: str | os.PathLike[str]) -> Callable[..., Any]:
         torch.ops.load_library(so_path)
         op = torch.ops._flashmla_C.sparse_prefill_fwd
         return lambda q, kv, idx, sm, dv, sink, lens: op(q, kv, idx, sm, dv, sink, lens, None)
-    spec = importlib.util.spec_from_file_location(EXT_NAME, so_path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod.sparse_prefill_fwd
+    return load_extension(EXT_NAME, so_path).sparse_prefill_fwd
 
 
 def padded_heads(heads: int) -> int:
@@ -168,7 +165,7 @@ def probe(fwd: Callable[..., Any], heads: int, tokens: int = 5, width: int = 256
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", nargs="?", const="", default=None, help="build the extension from HARNESS_DIR "
-                    f"(default ${ENV_DIR}, else {CHECKOUT_DIR}) and check it")
+                    f"(default ${ENV_DIR}, else {CARRY_DIR}) and check it")
     ap.add_argument("--build-dir", default="/tmp/fmla_prefill_build", help="torch's extension build folder")
     ap.add_argument("--probe-heads", default="128,16", help="head counts to check on small cases")
     args = ap.parse_args(argv)

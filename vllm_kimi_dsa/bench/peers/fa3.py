@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The Hopper peer: FlashInfer's SM90 MLA kernel (BatchMLAPagedAttentionWrapper, backend "fa3") as a sparse decode.
 
 Used as vLLM's FLASHINFER_MLA_SPARSE_SM90 uses it: page_size=1, each row's selected flat cache rows are its page table.
@@ -12,7 +11,7 @@ Recipe: /work/shared/device/flashinfer-sm90/bench_fa3.py (tested on an H200 with
   and v = raw * ckv_scale (as the recipe's float64 reference check shows);
 - FlashInfer 0.7 wants packed CSR offsets: kv_indptr = cumsum(lengths), kv_indices the valid prefixes back to back.
 
-`python3 benchmarks/peer_fa3.py --build bf16 [--probe-heads 12]` JIT-builds one module (to FLASHINFER_WORKSPACE_BASE)
+`python -m vllm_kimi_dsa.bench.peers.fa3 --build bf16 [--probe-heads 12]` JIT-builds one module (to FLASHINFER_WORKSPACE_BASE)
 and checks small cases against a float64 reference, printing one JSON line per case: the suite runs it in the
 background so the build overlaps the Triton measurements and an unsupported head count cannot crash the suite.
 """

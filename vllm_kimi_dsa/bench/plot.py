@@ -1,8 +1,9 @@
-#!/usr/bin/env python3
-"""Pictures and the README table from bench_suite.json: µs and TFLOP/s vs rows per kernel, floors drawn in.
+"""The suite's pictures and tables from its bench_suite.json: µs and TFLOP/s vs rows per kernel, floors drawn in,
+and the markdown tables (bench_suite.md, the prefill table included). Needs matplotlib (the `bench` extra).
 
-    python3 benchmarks/plot.py [JSON] [--out-dir benchmarks/results/latest]   -> bench_H128.png, bench_H16_H12.png,
-                                                                           bench_suite.md (also printed)
+    python -m vllm_kimi_dsa.bench.plot JSON [--out-dir DIR]   -> bench_H128.png, bench_H16_H12.png,
+                                                                 bench_suite.md (also printed)
+DIR defaults to the JSON's folder.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_JSON = HERE / "results" / "latest" / "bench_suite.json"
+from vllm_kimi_dsa.bench.prefill import prefill_table
+
 # One colour per kernel family/format, so a kernel and its floor line match.
 COLORS = {
     "triton/fp8": "tab:blue", "triton/nvfp4_ds_mla": "tab:green", "fa3/bf16": "tab:orange", "fa3/fp8": "tab:red",
@@ -217,23 +218,19 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
 
 
 def prefill_markdown(section: dict[str, Any]) -> str:
-    """The prefill section's table, as vllm_kimi_dsa.bench_prefill renders it (the package from this checkout)."""
-    if str(HERE.parent) not in sys.path:
-        sys.path.insert(0, str(HERE.parent))
-    try:
-        from vllm_kimi_dsa.bench_prefill import prefill_table
-    except ImportError as err:
-        return f"(prefill table not rendered: {err})"
+    """The prefill section's table (bench.prefill.prefill_table)."""
     return prefill_table(section)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
-    ap.add_argument("--out-dir", default=str(HERE / "results" / "latest"))
+    ap.add_argument("json", help="a bench_suite.json (python -m vllm_kimi_dsa bench --out DIR writes DIR/bench_suite.json)")
+    ap.add_argument("--out-dir", default=None, help="where the pictures and bench_suite.md go (default: the JSON's folder)")
     ap.add_argument("--rows", default="1,2,4,5,8,16,20,64,80,160,320", help="columns of the markdown table")
     args = ap.parse_args(argv)
     data = load(args.json)
+    if args.out_dir is None:
+        args.out_dir = str(Path(args.json).parent)
     paths = plot(data, args.out_dir)
     md = markdown(data, tuple(int(x) for x in args.rows.split(",") if x))
     md_path = Path(args.out_dir) / "bench_suite.md"

@@ -5,8 +5,9 @@ A prefill chunk reaches this package's backend as one batch of `rows` query toke
 cache rows with -1 past each count, the counts), larger than the planned decode batch, so LayerStep runs it in
 pieces of `max_rows` and copies each piece's latent into a new output. The peer on the same data is FlashMLA's SM90
 sparse prefill (`flash_mla_sparse_fwd`), the kernel vLLM 0.33's FLASHMLA_SPARSE runs for a prefill chunk on an FP8
-cache at >= 32 heads a rank, on the BF16 workspace vLLM gathers and upconverts the context into (its glue and build:
-benchmarks/peers/flashmla_prefill/, outside the package; the section runs without it).
+cache at >= 32 heads a rank, on the BF16 workspace vLLM gathers and upconverts the context into (its glue:
+bench.peers.flashmla_prefill; its harness: benchmarks/peers/flashmla_prefill/prepare.sh; the section runs without
+it).
 
 Cases: 1 request x 4096 query tokens and 4 x 1024, H = 128 and 16, K = 2048. Each request has `prior` = K tokens of
 context before the chunk, so every query token selects K rows (causally: token t sees the prior and chunk tokens up
@@ -14,11 +15,21 @@ to itself); with a shorter prior a token's ids end in -1 past its count, as the 
 Timing: eager (vLLM runs prefill outside CUDA graphs), CUDA events around each call, median of `reps` after
 `warmup` calls. No L2 rotation: one call writes rows*H*1 KiB of latent and reads rows*H*576 B of query, far past L2,
 and the context (<= 12288 rows, 7 MiB) is re-read from L2 within every call by design.
+
+The section alone on one GPU (ceilings, our LayerStep, the peer):
+
+    python -m vllm_kimi_dsa.bench.prefill --out DIR [--quick] [--no-peer] [--flashmla-prefill DIR]
+            [--cases 1x4096,4x1024] [--heads 128,16] [--reps N]
+
+writes DIR/bench_prefill.json (info, ceilings, the section) first, then DIR/bench_prefill.md (the table). The peer is
+built in the background from the harness benchmarks/peers/flashmla_prefill/prepare.sh makes (.carry/flashmla_prefill,
+or --flashmla-prefill / $FLASHMLA_PREFILL_DIR; $FLASHMLA_PREFILL_SO: a built extension).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import datetime as _dt
 import json
 import math
 import os
@@ -33,10 +44,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from vllm_kimi_dsa.bench.peers import flashmla_prefill as prefill_peer
 from vllm_kimi_dsa.formats import FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
+from vllm_kimi_dsa.heads import check_heads
 from vllm_kimi_dsa.reference import reference_decode
 from vllm_kimi_dsa.serving import LayerStep, StepShape
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer
+from vllm_kimi_dsa.widths import check_width
 
 K = 2048
 BLOCK = 64
@@ -46,7 +60,6 @@ CASES = ((1, 4096), (4, 1024))  # (requests, query tokens each)
 HEADS = (128, 16)
 MAX_ROWS = 512  # vLLM's planned decode batch (serving.planned_rows: the largest capture size, 512 by default)
 SAMPLE_ROWS = 48  # query tokens checked against the float32 reference, besides each piece's first and last
-PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "peers" / "flashmla_prefill"
 PEER_KINDS = {"flashmla-9241ae3": "flashmla/bf16", "vllm-0.33": "flashmla-vllm/bf16"}  # build source -> kernel name
 OURS = "layerstep/fp8"
 
@@ -70,10 +83,8 @@ class PrefillCase:
         for name in ("requests", "tokens", "heads", "block_size", "max_rows"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.heads <= 128:
-            raise ValueError(f"heads must be in 1..128, got {self.heads}")
-        if self.width < 128 or self.width % 128:
-            raise ValueError(f"width must be a positive multiple of 128, got {self.width}")
+        check_heads(self.heads, "heads")
+        check_width(self.width, "width")
         if self.prior < 0:
             raise ValueError(f"prior must be >= 0, got {self.prior}")
 
@@ -304,27 +315,13 @@ def step_impl(step: LayerStep, rows: int) -> str:
 # ---------------------------------------------------------------- the peer
 
 
-def peer_module() -> Any | None:
-    """benchmarks/peers/flashmla_prefill/peer.py of a source checkout, or None (an installed package)."""
-    path = PEER_DIR / "peer.py"
-    if not path.is_file():
-        return None
-    if "flashmla_prefill_peer" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("flashmla_prefill_peer", path)
-        mod = importlib.util.module_from_spec(spec)
-        assert spec.loader is not None
-        sys.modules["flashmla_prefill_peer"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["flashmla_prefill_peer"]
-
-
 class PeerBuild:
-    """peer.py --build in a child process (the extension's ~45 s compile overlaps our measurements); wait() gives
+    """peers.flashmla_prefill --build in a child process (the extension's ~45 s compile overlaps our measurements); wait() gives
     {kernel name: (fwd, probe records)} for every build of the kernel whose small cases all passed, and the log."""
 
     def __init__(self, harness: str | None, build_dir: str, probe_heads: Sequence[int]) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="prefill_peer_", suffix=".log", delete=False)
-        cmd = [sys.executable, str(PEER_DIR / "peer.py"), "--build", *([harness] if harness else []),
+        cmd = [sys.executable, "-m", prefill_peer.__name__, "--build", *([harness] if harness else []),
                "--build-dir", build_dir, "--probe-heads", ",".join(map(str, probe_heads))]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -340,13 +337,12 @@ class PeerBuild:
         records = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
         info = {"rc": rc, "wall_s": round(time.perf_counter() - self.t0, 1), "records": records,
                 "tail": text[-1500:] if rc else ""}
-        mod = peer_module()
         found: dict[str, tuple[Callable[..., Any], list[dict]]] = {}
         for source, kind in PEER_KINDS.items():
             probes = [r for r in records if r.get("step") == "probe" and r.get("source") == source]
-            if mod is not None and probes and all(r.get("ok") for r in probes):
+            if probes and all(r.get("ok") for r in probes):
                 try:
-                    found[kind] = (mod.load(probes[0]["so"]), probes)
+                    found[kind] = (prefill_peer.load(probes[0]["so"]), probes)
                 except Exception as err:
                     info.setdefault("load_errors", {})[kind] = f"{type(err).__name__}: {err}"[:500]
         return found, info
@@ -444,8 +440,6 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
                 guarded({**base, "kernel": OURS}, run_ours)
 
             if peers:
-                mod = peer_module()
-
                 def peer_data() -> dict[str, Any]:
                     ctx = context_rows(inp)
                     ws = torch.empty((ctx.numel(), HEAD_DIM), dtype=torch.bfloat16, device=device)
@@ -459,23 +453,23 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
                 pdata = guarded({**base, "kernel": "peer data"}, peer_data)
                 for kind, fwd in (peers.items() if pdata is not None else ()):
                     def run_peer(kind: str = kind, fwd: Callable[..., Any] = fwd) -> None:
-                        peer = mod.PrefillPeer(fwd, h, case.rows, sm_scale=SCALE * Q_SCALE, device=device)
-                        call = lambda: peer.run(pdata["q16"], pdata["ws"], pdata["idx"], inp.counts)  # noqa: E731
-                        poison_next_output((case.rows, peer.padded, LATENT_DIM), device)
-                        peer.out.fill_(float("nan"))
+                        their = prefill_peer.PrefillPeer(fwd, h, case.rows, sm_scale=SCALE * Q_SCALE, device=device)
+                        call = lambda: their.run(pdata["q16"], pdata["ws"], pdata["idx"], inp.counts)  # noqa: E731
+                        poison_next_output((case.rows, their.padded, LATENT_DIM), device)
+                        their.out.fill_(float("nan"))
                         out = call()
                         acc = {**base, "kernel": kind, **accuracy(out, ref, rows)}
                         section["accuracy"].append(acc)
                         t = time_us(call, device, reps=reps, warmup=warmup)
                         fl = prefill_floor(case, ceil, q_bytes=2, kv_row_bytes=2 * HEAD_DIM, compute="bf16")
-                        rec = {**base, "kernel": kind, "padded_heads": peer.padded, **with_time(fl, t["us"]),
+                        rec = {**base, "kernel": kind, "padded_heads": their.padded, **with_time(fl, t["us"]),
                                "us_min": t["us_min"], "us_max": t["us_max"], "reps": t["reps"],
                                "gather_us": pdata["gather_us"], "gather_floor_us": pdata["gather_floor_us"],
                                "vllm_runs_it": h >= 32}
                         section["results"].append(rec)
                         log(f"prefill {kind:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us "
                             f"{rec['tflops']:7.1f} TF/s floor {rec['floor_us']:9.1f} us ({rec['of_floor']:.2f}) "
-                            f"rel L2 {acc['rel_l2']:.2e} (heads padded to {peer.padded}; gather "
+                            f"rel L2 {acc['rel_l2']:.2e} (heads padded to {their.padded}; gather "
                             f"{pdata['gather_us']:.1f} us, floor {pdata['gather_floor_us']:.1f})")
 
                     guarded({**base, "kernel": kind}, run_peer)
@@ -563,18 +557,83 @@ def prefill_suite(device: torch.device | str, ceil: dict[str, Any], build: PeerB
 
 def start_peer_build(harness: str | None, heads: Sequence[int]) -> tuple[PeerBuild | None, str]:
     """The background build of the peer when its harness is here: (PeerBuild or None, a note for the JSON)."""
-    mod = peer_module()
-    if mod is None:
-        return None, f"skipped: no {PEER_DIR / 'peer.py'} (an installed package; the peer runs from a checkout)"
-    ok, where = mod.available(harness)
+    ok, where = prefill_peer.available(harness)
     if not ok:
         return None, f"skipped: {where}"
     build_dir = os.environ.get("FLASHMLA_PREFILL_BUILD", os.path.join(tempfile.gettempdir(), "fmla_prefill_build"))
     return PeerBuild(where if not where.endswith(".so") else None, build_dir, heads), f"building from {where}"
 
 
+# ---------------------------------------------------------------- the section alone (python -m vllm_kimi_dsa.bench.prefill)
+
+
+def _cases(text: str) -> tuple[tuple[int, int], ...]:
+    """REQUESTSxTOKENS[,...] (argparse type)."""
+    try:
+        out = tuple((int(a), int(b)) for a, b in (c.lower().split("x") for c in text.split(",") if c))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected REQUESTSxTOKENS[,...], e.g. 1x4096,4x1024; got {text!r}") from None
+    if not out or any(a < 1 or b < 1 for a, b in out):
+        raise argparse.ArgumentTypeError(f"expected positive REQUESTSxTOKENS, got {text!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The prefill section alone on one GPU: ceilings, our LayerStep, FlashMLA's sparse prefill (module docstring)."""
+    from vllm_kimi_dsa import cli_types
+    from vllm_kimi_dsa.timing import ceilings
+
+    ap = argparse.ArgumentParser(prog="python -m vllm_kimi_dsa.bench.prefill",
+                                 description="The bench's prefill section alone on one GPU.")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="5 reps, 1 warm-up, quick ceilings")
+    ap.add_argument("--no-peer", action="store_true", help="skip FlashMLA's sparse prefill")
+    ap.add_argument("--flashmla-prefill", default=None, help="the peer's harness folder (default "
+                    "$FLASHMLA_PREFILL_DIR, else ./.carry/flashmla_prefill)")
+    ap.add_argument("--cases", type=_cases, default=CASES, help="REQUESTSxTOKENS,... (default 1x4096,4x1024)")
+    ap.add_argument("--heads", type=cli_types.head_counts, default=HEADS)
+    ap.add_argument("--max-rows", type=cli_types.at_least_one, default=MAX_ROWS,
+                    help="LayerStep's planned rows (vLLM's)")
+    ap.add_argument("--reps", type=cli_types.at_least_one, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    build, note = (None, "skipped (--no-peer)") if args.no_peer else start_peer_build(args.flashmla_prefill,
+                                                                                        args.heads)
+    print(f"peer: {note}", flush=True)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    import triton
+
+    ceil = ceilings(dev, True)
+    info = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "argv": sys.argv[1:], "peer": note, "ceilings": ceil,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    print(json.dumps(info), flush=True)
+    reps = args.reps or (5 if args.quick else 10)
+    warmup = 1 if args.quick else 2
+    # ours first (the peer's build overlaps it), then the peer on the same data
+    section = prefill_suite(dev, ceil, build, cases=args.cases, heads=args.heads, max_rows=args.max_rows,
+                            reps=reps, warmup=warmup, log=lambda m: print(m, flush=True))
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    (out / "bench_prefill.json").write_text(json.dumps({"info": info, "prefill": section}, indent=1, default=str))
+    table = prefill_table(section)
+    (out / "bench_prefill.md").write_text(f"# Prefill on {props.name}\n\n{table}\n")
+    print(table, flush=True)
+    print(f"failures: {len(section['failures'])}; wall {info['wall_s']} s; wrote {out / 'bench_prefill.json'}",
+          flush=True)
+    return 0 if not section["failures"] else 1
+
+
 __all__ = [
     "CASES", "HEADS", "MAX_ROWS", "PrefillCase", "PrefillInputs", "context_rows", "gather_workspace",
     "make_prefill_inputs", "prefill_floor", "prefill_suite", "prefill_table", "run_prefill_section", "sample_rows",
-    "start_peer_build", "workspace_indices",
+    "main", "start_peer_build", "workspace_indices",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

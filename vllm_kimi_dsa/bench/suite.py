@@ -4,10 +4,9 @@ Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 he
 peers -- FlashInfer's SM90 fa3 (vLLM's FLASHINFER_MLA_SPARSE_SM90) and FlashMLA's sparse FP8 decode as vLLM's default
 FLASHMLA_SPARSE runs it (query padded to 64 / 128 heads) -- also a plain-torch baseline, the top-k converter vs a
 same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported
-against. JSON first (DIR/bench_suite.json); benchmarks/plot.py draws it.
+against. JSON first (DIR/bench_suite.json); bench.plot draws it.
 
     python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer] [--peers fa3,flashmla] [--flashmla DIR]
-    python3 benchmarks/bench_suite.py --out DIR ...          (the same suite, from a source checkout)
 
 Same data for every kernel: one fp8 cache of e4m3(8 x) rows (k_scale 1/8), its nvfp4_ds_mla packing of x, its exact
 BF16 dequantization (fa3) and that packed as 656 B fp8_ds_mla rows (FlashMLA); per (rows, H) the same slots and
@@ -16,13 +15,13 @@ them, as the indexer does. Timing: a CUDA graph of calls over several input sets
 so one replay reads > 2x the 60 MB L2, median over replays; the peers are planned outside the graph (fa3's plan
 syncs; FlashMLA's scheduler metadata is made once a batch shape).
 
-The prefill section (bench_prefill, `--sections prefill` alone): 1 x 4096 and 4 x 1024 query tokens at H = 128 / 16
+The prefill section (bench.prefill, `--sections prefill` alone): 1 x 4096 and 4 x 1024 query tokens at H = 128 / 16
 through serving.LayerStep as vLLM calls it, against FlashMLA's sparse prefill as vLLM runs it (with --peers flashmla;
 benchmarks/peers/flashmla_prefill/prepare.sh makes its harness); the JSON's "prefill" key, bench_prefill.md.
 
-The peers (benchmarks/peer_fa3.py, benchmarks/peer_flashmla.py with the harness prepare.sh unpacks into .carry/)
-live in the source checkout, not in the package: an installed package runs the suite without them and says so in
-the JSON's info.
+The peers (bench.peers: fa3, flashmla, flashmla_prefill) install with the package; each runs where its library
+(FlashInfer) or harness (FlashMLA's, unpacked into .carry/ by its prepare.sh) is found, and the JSON's info says why
+one was skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import importlib
 import json
 import math
 import os
@@ -40,21 +38,21 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import ModuleType
 from unittest import mock
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
 from vllm_kimi_dsa import cli_types, envs
+from vllm_kimi_dsa.bench import prefill as bench_prefill
+from vllm_kimi_dsa.bench.peers import fa3, flashmla
 from vllm_kimi_dsa.formats import (
     FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, pack_nvfp4,
 )
-from vllm_kimi_dsa.tune import L2_BYTES, cuda_graph_time_us
+from vllm_kimi_dsa.heads import FEW_HEADS_MAX
+from vllm_kimi_dsa.timing import L2_BYTES, ceilings, cuda_graph_time_us
 
-# benchmarks/ of a source checkout (next to the package): where the peers' scripts are; absent in an install.
-PEER_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-PEER_KV = ("bf16", "fp8")  # the KV dtypes the fa3 peer builds (peer_fa3.KV_DTYPES)
+PEER_KV = tuple(fa3.KV_DTYPES)  # the KV dtypes the fa3 peer builds
 PEERS = ("fa3", "flashmla")  # fa3: FlashInfer's SM90 MLA wrapper; flashmla: FlashMLA's sparse FP8 decode (vLLM's)
 FLASHMLA_KIND = "flashmla/fp8_ds_mla"
 
@@ -90,7 +88,7 @@ class Data:
 
     def __init__(self, device: torch.device, base_rows: int, shift: int, with_bf16: bool,
                  fp8_ds_mla: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """fp8_ds_mla: the packer of (n, 576) rows into 656-byte ones (peer_flashmla.quantize_fp8_ds_mla), or None."""
+        """fp8_ds_mla: the packer of (n, 576) rows into 656-byte ones (peers.flashmla.quantize_fp8_ds_mla), or None."""
         self.device, self.base_rows, self.shift = device, base_rows, shift
         total = base_rows + shift * (MAX_SETS - 1)
         g = torch.Generator(device=device).manual_seed(2026)
@@ -235,50 +233,6 @@ def torch_decode(q16: torch.Tensor, kv_fp8: torch.Tensor, slots: torch.Tensor, c
 # ---------------------------------------------------------------- ceilings
 
 
-def _event_time_ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def ceilings(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Copy bandwidth (bytes read + written / s), BF16 and FP8 dense matmul rates."""
-    res: dict[str, Any] = {}
-    n = (1 << 30) if not quick else (1 << 29)
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = _event_time_ms(lambda: dst.copy_(src), 10)
-    res["copy_GBps"] = 2 * n / (ms * 1e-3) / 1e9
-    res["copy_bytes"] = n
-    del src, dst
-    m = 8192
-    a = torch.randn(m, m, device=device).to(torch.bfloat16)
-    b = torch.randn(m, m, device=device).to(torch.bfloat16)
-    ms = _event_time_ms(lambda: torch.mm(a, b), 10)
-    res["bf16_TFLOPs"] = 2 * m**3 / (ms * 1e-3) / 1e12
-    try:
-        a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major second operand
-        one = torch.ones((), device=device)
-        ms = _event_time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10)
-        res["fp8_TFLOPs"] = 2 * m**3 / (ms * 1e-3) / 1e12
-    except Exception as err:  # older torch / no fp8 GEMM: fp8 floors fall back to the BF16 rate
-        res["fp8_TFLOPs"] = None
-        res["fp8_error"] = repr(err)[:300]
-    del a, b
-    torch.cuda.empty_cache()
-    return res
-
-
 def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, compute: str,
             ceil: dict[str, Any]) -> dict[str, Any]:
     """TFLOP/s-equivalent, KV GB/s and the floor max(bytes / copy bandwidth, flops / matmul rate).
@@ -310,16 +264,6 @@ def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, comput
 # ---------------------------------------------------------------- the peers (background builds)
 
 
-def peer_module(name: str = "peer_fa3") -> ModuleType | None:
-    """benchmarks/<name>.py (peer_fa3, peer_flashmla) as the module `name` (the sections import it by that name);
-    None without it (an installed package)."""
-    if not (PEER_DIR / f"{name}.py").is_file():
-        return None
-    if str(PEER_DIR) not in sys.path:
-        sys.path.insert(0, str(PEER_DIR))
-    return importlib.import_module(name)
-
-
 class PeerBuilds:
     """Builds of the peers in child processes (they overlap the Triton runs), plus small checks per head count:
     fa3's JIT module per KV dtype ("fa3/bf16", "fa3/fp8"), FlashMLA's extension (FLASHMLA_KIND, from flashmla_dir)."""
@@ -330,9 +274,9 @@ class PeerBuilds:
         for kind in kinds:
             family, kv = kind.split("/", 1)
             if family == "fa3":
-                cmd = [sys.executable, str(PEER_DIR / "peer_fa3.py"), "--build", kv, "--probe-heads", heads]
+                cmd = [sys.executable, "-m", fa3.__name__, "--build", kv, "--probe-heads", heads]
             else:
-                cmd = [sys.executable, str(PEER_DIR / "peer_flashmla.py"), "--build", flashmla_dir or "auto",
+                cmd = [sys.executable, "-m", flashmla.__name__, "--build", flashmla_dir or "auto",
                        "--build-dir", os.path.join(tempfile.gettempdir(), "fmla_build"), "--probe-heads", heads]
             f = tempfile.NamedTemporaryFile(prefix=f"peer_build_{family}_{kv}_", suffix=".log", delete=False)
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -365,9 +309,7 @@ def flashmla_ext(build: dict[str, Any]) -> Any:
     """The FlashMLA extension the build child made (its .so loaded once a process)."""
     so = next(r["so"] for r in build["records"] if r.get("so"))
     if so not in _FLASHMLA_EXT:
-        mod = peer_module("peer_flashmla")
-        assert mod is not None
-        _FLASHMLA_EXT[so] = mod.load(so)
+        _FLASHMLA_EXT[so] = flashmla.load(so)
     return _FLASHMLA_EXT[so]
 
 
@@ -377,18 +319,14 @@ def make_peer_call(kind: str, build: dict[str, Any], data: Data, heads: int, row
     reads. fa3 writes `out`; FlashMLA returns its sliced output view (vLLM's), which the accuracy check copies."""
     family, kv = kind.split("/", 1)
     if family == "flashmla":
-        from peer_flashmla import FlashMLAPeer
-
-        p = FlashMLAPeer(flashmla_ext(build), heads, rows, K, sm_scale=SCALE * Q_SCALE)
+        p = flashmla.FlashMLAPeer(flashmla_ext(build), heads, rows, K, sm_scale=SCALE * Q_SCALE)
         p.plan(q16, data.window("fp8_ds_mla", 0), slots)  # the scheduler metadata, outside any graph
 
         def run_fmla(q: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
             o = p.run(q, data.window("fp8_ds_mla", s), slots)
             return o if out is None else out.copy_(o)
         return run_fmla, "fp8_ds_mla"
-    from peer_fa3 import make_peer
-
-    f = make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE, kv_scale=K_SCALE if kv == "fp8" else 1.0,
+    f = fa3.make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE, kv_scale=K_SCALE if kv == "fp8" else 1.0,
                   device=slots.device)
     f.plan(slots, counts)
     kv_kind = "bf16" if kv == "bf16" else "fp8"
@@ -461,7 +399,7 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
                 what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
                 if kind.startswith(OUR_FAMILIES):
                     family, fmt = kind.split("/", 1)
-                    if family == "triton-pv8" and heads <= 32:  # the opt-in changes nothing there
+                    if family == "triton-pv8" and heads <= FEW_HEADS_MAX:  # the opt-in changes nothing there
                         continue
 
                     def run_triton(fmt: str = fmt, family: str = family) -> dict[str, Any]:
@@ -486,10 +424,8 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
                         us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
                         extra = {}
                         if kind == FLASHMLA_KIND:  # as vLLM: the query padded to the kernel's 64 / 128 heads
-                            from peer_flashmla import padded_heads
-
                             extra = {"impl": f"FlashMLA sparse_decode_fwd, query padded {heads} -> "
-                                             f"{padded_heads(heads)} heads (q.new_zeros + copy, as vLLM)"}
+                                             f"{flashmla.padded_heads(heads)} heads (q.new_zeros + copy, as vLLM)"}
                         return {**what, "fmt": kv_kind, "sets": sets, **extra,
                                 **metrics(rows, heads, us, kv_kind, 2, "bf16", ceil)}
 
@@ -520,7 +456,7 @@ def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...
             def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
                 family, fmt = kind.split("/", 1)
                 if family in OUR_FAMILIES:
-                    if family == "triton-pv8" and heads <= 32:
+                    if family == "triton-pv8" and heads <= FEW_HEADS_MAX:
                         return None
                     triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
                         inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], out)
@@ -723,10 +659,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="fa3 peer KV dtypes (default bf16,fp8; quick: bf16)")
     ap.add_argument("--flashmla", default=None,
                     help="the FlashMLA harness folder (flashmla_bench, FlashMLA's sources beside it as flashmla; "
-                         "default $FLASHMLA_PEER_DIR, else the checkout's .carry/flashmla_bench)")
+                         "default $FLASHMLA_PEER_DIR, else ./.carry/flashmla_bench)")
     ap.add_argument("--flashmla-prefill", default=None,
                     help="the prefill peer's harness folder (objs/, api_prefill.cpp; default $FLASHMLA_PREFILL_DIR, "
-                         "else the checkout's .carry/flashmla_prefill)")
+                         "else ./.carry/flashmla_prefill)")
     ap.add_argument("--sections", type=_section_names, default=SECTIONS,
                     help=f"the suite's sections to run (default {','.join(SECTIONS)})")
     ap.add_argument("--rows", type=cli_types.batch_sizes, default=None, help="override the batch sizes, comma-separated")
@@ -768,22 +704,16 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     peer_kinds: list[str] = []
     peer_note = "skipped (--no-peer / --peers)" if "fa3" not in peers else ""
     if "fa3" in peers:
-        peer_mod = peer_module("peer_fa3")
-        if peer_mod is None:
-            peer_note = f"skipped: no {PEER_DIR / 'peer_fa3.py'} (an installed package; the peer runs from a checkout)"
-            log(f"peer: {peer_note}")
+        ok, why = fa3.available()
+        if ok:
+            peer_kinds += [f"fa3/{kv}" for kv in (default_kv if args.peer_kv is None else args.peer_kv)]
+            peer_note = f"flashinfer {why}"
         else:
-            ok, why = peer_mod.available()
-            if ok:
-                peer_kinds += [f"fa3/{kv}" for kv in (default_kv if args.peer_kv is None else args.peer_kv)]
-                peer_note = f"flashinfer {why}"
-            else:
-                peer_note = f"skipped: FlashInfer not importable here ({why})"
-                log(f"peer: {peer_note}")
+            peer_note = f"skipped: FlashInfer not importable here ({why})"
+            log(f"peer: {peer_note}")
     flashmla_note = "skipped (--no-peer / --peers)" if "flashmla" not in peers else ""
-    fmla_mod = peer_module("peer_flashmla") if "flashmla" in peers else None
     if "flashmla" in peers:
-        ok, why = fmla_mod.available(args.flashmla) if fmla_mod else (False, "no benchmarks/peer_flashmla.py")
+        ok, why = flashmla.available(args.flashmla)
         if ok:
             peer_kinds.append(FLASHMLA_KIND)
             flashmla_note = f"FlashMLA sparse_decode_fwd from {why} (query padded to 64 / 128 heads, as vLLM)"
@@ -791,8 +721,6 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
             flashmla_note = f"skipped: {why}"
             log(f"peer flashmla: {flashmla_note}")
     # the prefill section: in the full suite, or asked for by --sections (quick or not); its peer builds meanwhile
-    from vllm_kimi_dsa import bench_prefill
-
     want_prefill = "prefill" in args.sections and (not args.quick or args.sections != SECTIONS)
     prefill_heads = bench_prefill.HEADS if args.heads is None else args.heads
     prefill_build, prefill_note = None, "skipped (--no-peer / --peers)" if "flashmla" not in peers else ""
@@ -800,7 +728,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         prefill_build, prefill_note = bench_prefill.start_peer_build(args.flashmla_prefill, prefill_heads)
     decode_data = bool(set(args.sections) - {"prefill"})  # --sections prefill alone: no decode data, no decode peers
     builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True),
-                        str(fmla_mod.harness_dir(args.flashmla)) if FLASHMLA_KIND in peer_kinds else None) \
+                        str(flashmla.harness_dir(args.flashmla)) if FLASHMLA_KIND in peer_kinds else None) \
         if peer_kinds and decode_data else None
 
     import triton
@@ -827,7 +755,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     base_rows = (1 << 20) if args.quick else (1 << 21)  # 2^21 rows: 320 requests' 2K tokens in distinct blocks
     if decode_data:
         data = Data(dev, base_rows, shift=4096, with_bf16=any(k.startswith("fa3/") for k in peer_kinds),
-                    fp8_ds_mla=fmla_mod.quantize_fp8_ds_mla if FLASHMLA_KIND in peer_kinds else None)
+                    fp8_ds_mla=flashmla.quantize_fp8_ds_mla if FLASHMLA_KIND in peer_kinds else None)
         suite.info["cache"] = {"base_rows": base_rows, "shift_rows": data.shift, "total_rows": data.total,
                                "bytes": data.nbytes()}
         log(f"{suite.elapsed()} data: {data.total} rows per format, {data.nbytes() / 2**30:.2f} GiB")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The Hopper peer vLLM runs by default: FlashMLA's SM90 sparse FP8 decode (FLASHMLA_SPARSE) on 656 B fp8_ds_mla rows.
 
 As vLLM 0.33's FlashMLASparseImpl._fp8_flash_mla_kernel runs it (vllm/v1/attention/backends/mla/flashmla_sparse.py):
@@ -10,15 +9,15 @@ index is -1 is undefined there (vLLM zero-fills it), so the suite's inputs keep 
 
 The harness is /work/shared/device/flashmla-sm90 (a benchmark harness, never part of the package): its prepare.sh
 unpacks FlashMLA's sources into `.carry/flashmla` and the reduced SM90 API with prebuilt objects into
-`.carry/flashmla_bench` (`build_ext.load_ext` builds the extension against this torch in ~45 s, exposing
-`sparse_decode_fwd` with flash_mla's own signature). This file finds it through --flashmla / $FLASHMLA_PEER_DIR, else
-`<checkout>/.carry/flashmla_bench`.
+`.carry/flashmla_bench` (its build_ext.py builds the extension against this torch in ~45 s, exposing
+`sparse_decode_fwd` with flash_mla's own signature). This module finds it through --flashmla / $FLASHMLA_PEER_DIR,
+else `.carry/flashmla_bench` under the current directory (peers.CARRY).
 
 The fp8_ds_mla row (656 B): 512 e4m3 latent values in 4 tiles of 128, each with an fp32 scale (amax / 448, as vLLM's
 cache writer makes it), then the 4 fp32 scales, then the 64 RoPE values as BF16. `quantize_fp8_ds_mla` packs the
 suite's exact BF16 rows so.
 
-`python3 benchmarks/peer_flashmla.py --build DIR --build-dir B [--probe-heads 8,64,128]` builds and loads the
+`python -m vllm_kimi_dsa.bench.peers.flashmla --build DIR --build-dir B [--probe-heads 8,64,128]` builds and loads the
 extension, checks small cases (padding included) against a float64 reference of the packed rows, and prints one
 JSON line per step, the first with the built .so's path: the suite runs it in the background so the build overlaps
 its Triton measurements and a failure cannot crash the suite.
@@ -27,10 +26,10 @@ its Triton measurements and a failure cannot crash the suite.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,20 +37,22 @@ from typing import Any
 
 import torch
 
+from vllm_kimi_dsa.bench.peers import CARRY, load_extension, run_build_script
+
 D_QK, D_V, D_ROPE = 576, 512, 64
 ROW_BYTES = 656  # 512 e4m3 + 4 fp32 scales + 64 bf16
 TILE = 128  # latent values a scale
 PAGE = 64  # tokens a cache block, as vLLM's FLASHMLA_SPARSE pages the cache
 ENV_DIR = "FLASHMLA_PEER_DIR"
-CHECKOUT_DIR = Path(__file__).resolve().parents[1] / ".carry" / "flashmla_bench"
+CARRY_DIR = CARRY / "flashmla_bench"
 EXT_NAME = "flash_mla_sm90_sparse"
 
 
 def harness_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
     """The flashmla_bench folder (build_ext.py, api_sm90.cpp, objs/; FlashMLA's tree beside it as ../flashmla):
-    `given` (only it, when given), else $FLASHMLA_PEER_DIR, else the checkout's .carry/flashmla_bench; None where the
+    `given` (only it, when given), else $FLASHMLA_PEER_DIR, else .carry/flashmla_bench; None where the
     folder asked for is not one."""
-    for cand in ((given,) if given else (os.environ.get(ENV_DIR), CHECKOUT_DIR)):
+    for cand in ((given,) if given else (os.environ.get(ENV_DIR), CARRY_DIR)):
         if cand and (Path(cand) / "build_ext.py").is_file():
             return Path(cand).resolve()
     return None
@@ -61,7 +62,7 @@ def available(given: str | os.PathLike[str] | None = None) -> tuple[bool, str]:
     """(True, the harness folder) when the harness and FlashMLA's sources are here; else (False, why)."""
     d = harness_dir(given)
     if d is None:
-        return False, (f"no FlashMLA harness (--flashmla, ${ENV_DIR} or {CHECKOUT_DIR}; "
+        return False, (f"no FlashMLA harness (--flashmla, ${ENV_DIR} or {CARRY_DIR}; "
                        "bash /work/shared/device/flashmla-sm90/prepare.sh .carry)")
     if not (d.parent / "flashmla" / "csrc").is_dir():
         return False, f"{d.parent / 'flashmla'} (FlashMLA's sources, prepare.sh's other folder) is missing"
@@ -70,27 +71,20 @@ def available(given: str | os.PathLike[str] | None = None) -> tuple[bool, str]:
     return True, str(d)
 
 
-def _build_ext_module(d: Path) -> Any:
-    spec = importlib.util.spec_from_file_location("flashmla_build_ext", d / "build_ext.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def build(d: Path, build_dir: str | os.PathLike[str]) -> str:
-    """Build (or find built) the extension from the harness's prebuilt objects; returns its .so path."""
-    ext = _build_ext_module(d).load_ext(str(d / "objs"), str(build_dir), verbose=False)
-    return str(ext.__file__)
+    """Build (or find built) the extension from the harness's prebuilt objects with the harness's build_ext.py (a
+    child process: `build_ext.py OBJS BUILD_DIR` builds, smoke-tests and prints "built+loaded SO in ..."); returns
+    its .so path."""
+    out = run_build_script(d / "build_ext.py", str(d / "objs"), str(build_dir))
+    found = re.findall(r"built\+loaded (\S+) in ", out)
+    if not found:
+        raise RuntimeError(f"{d / 'build_ext.py'} did not name the extension it built: {out[-800:]}")
+    return found[-1]
 
 
 def load(so_path: str | os.PathLike[str]) -> Any:
-    """The built extension (a module with sparse_decode_fwd), loaded from its .so (torch imported first)."""
-    spec = importlib.util.spec_from_file_location(EXT_NAME, str(so_path))
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+    """The built extension (a module with sparse_decode_fwd), loaded from its .so."""
+    return load_extension(EXT_NAME, so_path)
 
 
 # ---------------------------------------------------------------- the fp8_ds_mla rows
