@@ -380,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
     extra = ["--check-requests", str(args.check_requests), "--check-tokens", str(args.check_tokens)]
     if args.profile:
         extra.append("--profile")
-    if args.shims:
+    if args.shims:  # decided once here; the workers (and vLLM's own child processes) apply the same shims
+        report["shims"] = _install_device_shims()
         extra.append("--shims")
     ok = True
     for heads in args.heads:

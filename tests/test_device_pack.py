@@ -40,7 +40,8 @@ def test_dry_vllm_step_puts_the_pack_ahead_of_site_packages(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     unpack, path, test = done.stdout.strip().splitlines()
     assert ".carry/vllm/vllm_site.tar.xz" in unpack and "vllm_so.tar.xz" in unpack and "/tmp/vllm_site" in unpack
-    assert path.startswith(f"PYTHONPATH=/tmp/vllm_site:{ROOT} ")
+    # the shims' child-process hook (tools/device_boot/sitecustomize.py) right after the pack
+    assert path.startswith(f"PYTHONPATH=/tmp/vllm_site:{ROOT}/tools/device_boot:{ROOT} ")
     assert all(f"{var}=1" in path for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"))
     assert test.startswith("python3 -m pytest") and test.endswith("tests/test_vllm_gpu.py")
 

@@ -57,7 +57,7 @@ vllm_env() {
       echo "$id" > /tmp/vllm_site/.pack
     fi
   fi
-  export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+  export PYTHONPATH=/tmp/vllm_site:$ROOT/tools/device_boot:$PYTHONPATH VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
   [ -z "${DRY:-}" ] || echo "PYTHONPATH=$PYTHONPATH (ahead of site-packages) VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1" \
     "TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0"

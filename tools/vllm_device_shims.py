@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,12 @@ import types
 
 REPORT: dict[str, str] = {}
 SHIM_ATTR = "__vllm_device_shim__"  # set on every placeholder module: what it hides
+# install()'s decisions, for every child Python: vLLM inspects a model's class in a subprocess (ModelRegistry's
+# _run_in_subprocess), which imports the model's modules and so needs the same shims; tools/device_boot/
+# sitecustomize.py (on PYTHONPATH under device_run.sh --vllm) applies them there, without probing again.
+DECISIONS_ENV = "VLLM_DEVICE_SHIMS"
+REAL = "real library loads"
+_decided: dict[str, str] = {}
 
 
 def _child_import_error(module: str) -> str | None:
@@ -38,8 +45,11 @@ def _child_import_error(module: str) -> str | None:
     return f"rc {done.returncode}: {lines[-1] if lines else 'no output'}"
 
 
-def _load_error(module: str) -> str | None:
-    """Why `module` cannot be imported here (absent, or its library fails to load), None if it can."""
+def _load_error(module: str, shim: str | None = None) -> str | None:
+    """Why `module` cannot be imported here (absent, or its library fails to load), None if it can; a parent
+    process's decision for `shim` (DECISIONS_ENV) is taken as it is."""
+    if shim in _decided:
+        return None if _decided[shim] == REAL else _decided[shim]
     if module in sys.modules:
         return None
     try:
@@ -62,13 +72,13 @@ def _placeholder(name: str, hides: str) -> types.ModuleType:
     return module
 
 
-def _empty_unless_it_loads(name: str, hides: str) -> str:
+def _empty_unless_it_loads(name: str, hides: str, shim: str) -> str:
     """`name` as it is where it imports, else an empty placeholder (hiding `hides`); what was done, for REPORT."""
-    error = _load_error(name)
+    error = _load_error(name, shim)
     if error is None:
-        return "real library loads"
+        return REAL
     _placeholder(name, hides)
-    return f"placeholder ({error})"
+    return error if shim in _decided else f"placeholder ({error})"
 
 
 def stable_libtorch() -> str:
@@ -87,7 +97,8 @@ def stable_libtorch() -> str:
     compilation picks "native". CustomOp subclasses (rotary, activations) run forward_native under
     compilation_config.custom_ops=["none"]; SparseAttnIndexer's forward_native calls forward_cuda anyway.
     """
-    return _empty_unless_it_loads("vllm._C_stable_libtorch", "every torch.ops._C* op of vLLM's CUDA library")
+    return _empty_unless_it_loads("vllm._C_stable_libtorch", "every torch.ops._C* op of vLLM's CUDA library",
+                                  "stable_libtorch")
 
 
 def deep_gemm() -> str:
@@ -100,7 +111,8 @@ def deep_gemm() -> str:
     indexer (or its metadata builder) fails instead of computing top-k. is_deep_gemm_supported() also turns True on
     SM90 / SM100, so FP8 block-scaled linears and MoE would pick DeepGEMM and fail the same way (not in a BF16 model).
     """
-    return _empty_unless_it_loads("vllm.third_party.deep_gemm", "DeepGEMM's kernels (the DSA indexer's logits)")
+    return _empty_unless_it_loads("vllm.third_party.deep_gemm", "DeepGEMM's kernels (the DSA indexer's logits)",
+                                  "deep_gemm")
 
 
 def flash_attn() -> str:
@@ -118,9 +130,9 @@ def flash_attn() -> str:
     forward_mqa either way.
     """
     name = "vllm.vllm_flash_attn"
-    error = _load_error(name)
+    error = _load_error(name, "flash_attn")
     if error is None:
-        return "real library loads"
+        return REAL
     spec = importlib.util.find_spec(name)
     module = _placeholder(name, "FlashAttention's kernels (dense-MHA prefill)")
     module.__path__ = list(spec.submodule_search_locations)
@@ -131,6 +143,8 @@ def flash_attn() -> str:
                  "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
                  "is_fa_version_supported"):
         setattr(module, attr, getattr(interface, attr))
+    if "flash_attn" in _decided:
+        return error
     return f"interface only, FA2 {interface.FA2_AVAILABLE}, FA3 {interface.FA3_AVAILABLE} ({error})"
 
 
@@ -145,9 +159,9 @@ def fused_q_cutedsl() -> str:
     hides nothing; on a Blackwell GPU the Triton kernel would run in place of vLLM's faster CuTeDSL one.
     """
     name = "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"
-    error = _load_error("cutlass")
+    error = _load_error("cutlass", "fused_q_cutedsl")
     if error is None:
-        return "real library loads"
+        return REAL
     module = _placeholder(name, "the CuTeDSL fused_q kernel (SM100 only)")
     module.is_fused_q_cutedsl_supported = lambda *args, **kwargs: False
 
@@ -155,17 +169,21 @@ def fused_q_cutedsl() -> str:
         raise RuntimeError("vllm_device_shims: CuTeDSL (cutlass) is not on this machine")
 
     module.fused_q_cutedsl = fused_q_cutedsl
-    return f"placeholder (cutlass {error})"
+    return error if "fused_q_cutedsl" in _decided else f"placeholder (cutlass {error})"
 
 
 SHIMS = (stable_libtorch, deep_gemm, flash_attn, fused_q_cutedsl)
 
 
 def install() -> dict[str, str]:
-    """Apply every shim once (before vllm.platforms.current_platform is resolved); returns REPORT."""
+    """Apply every shim once (before vllm.platforms.current_platform is resolved); returns REPORT. A parent's
+    decisions ($VLLM_DEVICE_SHIMS) are applied as they are, without probing; this process's go into the variable for
+    its children."""
     if not REPORT:
+        _decided.update(json.loads(os.environ.get(DECISIONS_ENV) or "{}"))
         for shim in SHIMS:
             REPORT[shim.__name__] = shim()
+        os.environ[DECISIONS_ENV] = json.dumps(REPORT)
     return REPORT
 
 
