@@ -172,3 +172,27 @@ def test_fp8_pv_rule():
     d = bs.fp8_pv_decision(acc)
     assert not d["default_ok"] and d["verdict"] == "stays opt-in"
     assert not [s for s in d["shapes"] if s["rows"] == 320][0]["ok"]
+
+
+def test_markdown_shows_ratios_spreads_and_tolerances(tmp_path):
+    from vllm_kimi_dsa.bench import plot
+
+    recs = []
+    for kernel, fmt, qb, compute, us in (("triton/fp8", "fp8", 1, "fp8qk", 10.0),
+                                         (bs.FLASHMLA_KIND, "fp8_ds_mla", 2, "bf16", 14.0)):
+        st = timing.spread([us, us * 1.02, us * 0.99])
+        recs.append({"section": "decode", "kernel": kernel, "fmt": fmt, "rows": 5, "heads": 128, "repeats": 3,
+                     **bs.metrics(5, 128, st["us"], fmt, qb, compute, CEIL), **st})
+    ratio = bs.pair_ratio(recs[0], recs[1])
+    acc = [{"kernel": "triton/fp8", "rows": 5, "heads": 128, "rel_l2": 0.04, "tolerance": 0.09, "predicted": 0.045,
+            "within_tolerance": True, "rel_l2_own": 0.003, "holds": "e4m3 rows + e4m3 query"},
+           {"kernel": bs.FLASHMLA_KIND, "rows": 5, "heads": 128, "rel_l2": 0.03, "tolerance": 0.07,
+            "predicted": 0.035, "within_tolerance": True, "holds": "fp8_ds_mla rows + BF16 query"}]
+    data = {"info": {"gpu": "NVIDIA H100", "ceilings": CEIL, "fp8_pv_default": bs.fp8_pv_decision(acc)},
+            "results": recs, "ratios": [ratio], "accuracy": acc, "failures": []}
+    md = plot.markdown(data, (5,))
+    assert f"| triton/fp8 / {bs.FLASHMLA_KIND}, in turn (time [range]; each of its own floor) | " in md
+    assert f"{ratio['ratio']:.2f} [{ratio['ratio_min']:.2f}-{ratio['ratio_max']:.2f}] " in md
+    assert "±" in md  # the spread beside each time
+    assert "| triton/fp8 | 5 | 128 | 4.00e-02 | 9.00e-02 | yes | 3.00e-03 | e4m3 rows + e4m3 query |" in md
+    assert "FP8 P.V" in md and "not measured" in md

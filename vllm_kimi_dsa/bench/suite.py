@@ -524,6 +524,28 @@ def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tu
         suite.dump()
 
 
+def warm_ours(suite: Suite, data: Data, rows_list: tuple[int, ...], heads_list: tuple[int, ...],
+              ours: list[str]) -> None:
+    """One eager call of each of our kernels at every point (Triton compiles it), while the peers build: the
+    decode section then starts on warm kernels. Failures are left for the decode section to record."""
+    dev = suite.device
+    for heads in heads_list:
+        for rows in rows_list:
+            inp = config_inputs(rows, heads, 1, dev, data.base_rows, bf16=False)
+            for kind in ours:
+                family, fmt = kind.split("/", 1)
+                if family == "triton-pv8" and heads <= FEW_HEADS_MAX:
+                    continue
+                try:
+                    triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
+                        inp["q8"][0], data.window(fmt, 0), inp["slots"], inp["counts"], inp["outs"][0])
+                except Exception:  # noqa: BLE001 - recorded where it is measured
+                    pass
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"{suite.elapsed()} ours compiled at every point")
+
+
 def pair_ratio(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
     """Our time over the peer's at one point: the median of the per-round ratios (the rounds took both in turn) and
     their range, each side's median µs and fraction of its own floor (ours: 576 B rows and an e4m3 query; FlashMLA:
@@ -1055,6 +1077,8 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     peer: dict[str, Any] | None = None
     kinds = list(ours)
     if builds is not None:  # every kernel of a point is timed in turn with the others: the peers must be ready
+        if "decode" in sections:  # meanwhile compile ours at every point (one eager call each)
+            warm_ours(suite, data, rows_list, heads_list, ours)
         log(f"{suite.elapsed()} waiting for the peer builds")
         b = builds.wait()
         peer = {}
