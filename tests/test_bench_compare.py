@@ -196,3 +196,46 @@ def test_markdown_shows_ratios_spreads_and_tolerances(tmp_path):
     assert "±" in md  # the spread beside each time
     assert "| triton/fp8 | 5 | 128 | 4.00e-02 | 9.00e-02 | yes | 3.00e-03 | e4m3 rows + e4m3 query |" in md
     assert "FP8 P.V" in md and "not measured" in md
+
+
+def test_compacted_selection_for_a_page_table_peer():
+    slots = torch.tensor([[5, -1, 7, 9, 3], [4, -1, -1, 8, 2]], dtype=torch.int32)
+    counts = torch.tensor([4, 2], dtype=torch.int32)
+    packed, n = bs.compacted(slots, counts)
+    assert n.tolist() == [3, 1]
+    assert packed.tolist() == [[5, 7, 9, -1, -1], [4, -1, -1, -1, -1]]
+
+
+class _StandInFa3:
+    """fa3's contract as the suite uses it: plan(slots, counts) with no -1 inside a count (a page table), run(q bf16,
+    rows, out) writing out; computes the float32 reference of what it was given."""
+
+    def __init__(self, kv, heads, rows, width, *, sm_scale, kv_scale=1.0, device="cpu"):
+        self.kv, self.sm, self.kv_scale = kv, sm_scale, kv_scale
+
+    def plan(self, slots, counts):
+        counts = torch.as_tensor(counts)
+        live = torch.arange(slots.shape[1]) < counts.unsqueeze(1)
+        assert bool((slots[live] >= 0).all()), "a -1 inside a count reaches the page table"
+        self.slots, self.counts = slots, counts
+
+    def run(self, q, rows, out):
+        from vllm_kimi_dsa.reference import source_reference_decode
+
+        assert q.dtype == torch.bfloat16
+        vals = rows.float() * self.kv_scale
+        ref, _ = source_reference_decode(q.float(), vals, self.slots, self.counts, softmax_scale=self.sm,
+                                         output_scale=1.0)
+        return out.copy_(ref.to(torch.bfloat16))
+
+
+def test_accuracy_runs_fa3_on_compacted_selections(small_suite, monkeypatch):
+    suite, _, _, _ = small_suite
+    monkeypatch.setattr(bs, "ACCURACY_ROWS", 4096)
+    monkeypatch.setattr(bs.fa3, "make_peer", _StandInFa3)
+    peer = {"fa3/bf16": {"usable_heads": {8: True}}, "fa3/fp8": {"usable_heads": {8: True}}}
+    bs.accuracy_section(suite, ((3, 8),), ["fa3/bf16", "fa3/fp8"], peer)
+    assert not suite.failures, suite.failures
+    acc = {a["kernel"]: a for a in suite.accuracy}
+    assert acc["fa3/bf16"]["rel_l2"] < 2e-2 and acc["fa3/bf16"]["within_tolerance"]
+    assert acc["fa3/fp8"]["within_tolerance"] and acc["fa3/fp8"]["rel_l2"] > acc["fa3/bf16"]["rel_l2"]

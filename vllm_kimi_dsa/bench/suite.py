@@ -2,9 +2,12 @@
 
 Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads: triton-pv8/fp8) vs the Hopper
 peers -- FlashInfer's SM90 fa3 (vLLM's FLASHINFER_MLA_SPARSE_SM90) and FlashMLA's sparse FP8 decode as vLLM's default
-FLASHMLA_SPARSE runs it (query padded to 64 / 128 heads) -- also a plain-torch baseline, the top-k converter vs a
-same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported
-against. JSON first (DIR/bench_suite.json); bench.plot draws it.
+FLASHMLA_SPARSE runs it (vLLM's own _flashmla_C through its wrappers where the vLLM pack is carried, the call shapes
+and query padding of FlashMLASparseImpl) -- also a plain-torch baseline, the top-k converter vs a same-bytes copy,
+convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported against. At every
+point ours and each peer are timed in turn, --repeats rounds (median and spread; ratios with each side's fraction of
+its own floor); accuracy on BF16 source data, each kernel on its own quantization, with stated tolerances. JSON first
+(DIR/bench_suite.json); bench.plot draws it.
 
     python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer] [--peers fa3,flashmla] [--flashmla DIR]
 
@@ -659,6 +662,15 @@ def accuracy_inputs(rows: int, heads: int, device: torch.device, num_rows: int |
     return {"kv": kv, "q": q, "slots": slots.contiguous(), "counts": counts}
 
 
+def compacted(slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, counts) with each row's valid entries (inside its count, not -1) first in their order, -1 after, and
+    their number: what a page-table peer (fa3) takes for the same selection."""
+    valid = (torch.arange(slots.shape[1], device=slots.device) < counts.unsqueeze(1)) & (slots >= 0)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    packed = torch.where(valid.gather(1, order), slots.gather(1, order), torch.full_like(slots, -1))
+    return packed.contiguous(), valid.sum(dim=1).to(torch.int32)
+
+
 def quantized(src: dict[str, Any], want: set[str]) -> dict[str, Any]:
     """The source as each kernel's format holds it: per-tensor e4m3 rows and query with amax scales (ours, fa3's
     fp8), nvfp4_ds_mla rows, fp8_ds_mla rows (vLLM's writer's tile scales)."""
@@ -723,7 +735,7 @@ def accuracy_section(suite: Suite, sizes: tuple[tuple[int, int], ...], kinds: li
                     else:
                         f = fa3.make_peer(fmt, heads, rows, K, sm_scale=SCALE,
                                           kv_scale=qz["k_scale"] if fmt == "fp8" else 1.0, device=dev)
-                        f.plan(src["slots"], src["counts"].cpu())
+                        f.plan(*compacted(src["slots"], src["counts"]))  # a page table holds no -1
                         f.run(src["q"], src["kv"] if fmt == "bf16" else qz["fp8"], out)
                         held = "BF16 rows + BF16 query (the source)" if fmt == "bf16" else \
                             f"fp8 rows (k_scale {qz['k_scale']:.3g}) + BF16 query"
