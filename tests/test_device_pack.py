@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,36 @@ def test_pack_from_another_pack_cuts_the_libraries_to_flashmla(tmp_path):
     listed = subprocess.run(["tar", "-tJf", str(dest / "vllm_so.tar.xz")], capture_output=True, text=True).stdout
     files = sorted(x for x in listed.split() if x.endswith(".so"))
     assert files == ["./vllm/_flashmla_C.abi3.so", "./vllm/_flashmla_extension_C.abi3.so"], files
+
+
+_FLASHMLA_OPS_UNDER_SHIMS = """
+import importlib.util, json
+spec = importlib.util.spec_from_file_location("vllm_device_shims", "tools/vllm_device_shims.py")
+shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+report = shims.install()
+import vllm.v1.attention.ops.flashmla as ops
+from vllm_kimi_dsa.bench.peers import flashmla as pf
+ok, why = ops.is_flashmla_sparse_supported()
+names = all(callable(getattr(ops, n)) for n in ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"))
+print(json.dumps({"report": report, "supported": ok, "why": why, "names": names, "vllm": pf.vllm_available()}))
+"""
+
+
+def test_vllm_flashmla_ops_import_under_the_device_shims():
+    """vLLM's flashmla ops module (what FLASHMLA_SPARSE imports and the bench's FlashMLA peers call) imports under
+    tools/vllm_device_shims.py with vLLM's own tree, as far as a CPU allows: its wrappers are there; without CUDA
+    they report FlashMLA unavailable (the compiled library needs libcuda), which the peer reports instead of
+    running."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    done = subprocess.run([sys.executable, "-c",
+                           _FLASHMLA_OPS_UNDER_SHIMS], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    assert res["names"] and res["vllm"][0]
+    assert set(res["report"]) == {"stable_libtorch", "deep_gemm", "flash_attn", "fused_q_cutedsl"}
+    if not res["supported"]:
+        assert "_flashmla_C" in res["why"] or "Hopper" in res["why"], res["why"]
