@@ -158,7 +158,9 @@ def test_section_end_to_end_in_the_interpreter() -> None:
     assert by_kernel["fake/bf16"]["nonfinite"] == 0 and by_kernel["fake/bf16"]["rel_l2"] < 1e-2
     assert section["ratios"] == [{"case": "2x5", "heads": 16, "peer": "fake/bf16",
                                   "ours_over_peer": pytest.approx(ours["us"] / peer["us"], abs=1e-3),
-                                  "ours_over_peer_with_gather": section["ratios"][0]["ours_over_peer_with_gather"]}]
+                                  "ours_over_peer_with_gather": section["ratios"][0]["ours_over_peer_with_gather"],
+                                  "vllm_runs_it": False}]
+    assert peer["kernel_us"] > 0 and peer["gather_us"] > 0  # timed with the gather (us) and without (kernel_us)
     table = bp.prefill_table(section)
     assert "| layerstep/fp8 |" in table and "2x5 H=16" in table and "ours / fake/bf16" in table
     assert len(logs) == 3  # ours, the build's report, the peer
@@ -233,4 +235,32 @@ def test_plot_renders_the_prefill_section() -> None:
                "accuracy": [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "rel_l2": 2e-3, "nonfinite": 0}]}
     md = plot.markdown({"info": {}, "results": [], "prefill": section})
     assert "**Prefill**" in md and "| layerstep/fp8 | 4000.0 (585; 0.60) |" in md
-    assert "| ours / flashmla/bf16 (time; with its gather floor) | 1.14 (1.14) |" in md
+    assert "| ours / flashmla/bf16 (time, its gather included; over its kernel + the gather's floor) | 1.14 (1.14) |" \
+        in md
+
+
+def test_below_32_heads_vllm_runs_the_decode_kernel_over_the_chunk() -> None:
+    """With vLLM's pack the section also runs FlashMLA's FP8 decode kernel over the whole chunk at H < 32, as
+    vLLM's mixed batch does ((1, T, 64) on the fp8_ds_mla cache, no gather): vllm_runs_it there, while the BF16
+    prefill kernel's row says vLLM does not run it; both against the float32 reference (a stand-in of vLLM's ops)."""
+    from test_peer_flashmla import _StandInOps
+
+    calls: list[dict] = []
+    ops = _StandInOps()
+
+    class Build:
+        def wait(self):
+            return ({"fake/bf16": (fake_sparse_fwd(calls), []), bp.DECODE_KIND: (ops, [])},
+                    {"rc": 0, "wall_s": 1.0, "records": [], "tail": ""})
+
+    section = bp.prefill_suite("cpu", CEIL, Build(), cases=((2, 5),), heads=(16,), reps=1, warmup=0,
+                               kernels=dict.fromkeys(range(1, 5), "triton"), log=lambda *a: None, **TINY)
+    assert section["failures"] == [], section["failures"]
+    by = {r["kernel"]: r for r in section["results"]}
+    assert by[bp.DECODE_KIND]["vllm_runs_it"] is True and by["fake/bf16"]["vllm_runs_it"] is False
+    assert by[bp.DECODE_KIND]["padded_heads"] == 64 and by[bp.DECODE_KIND]["gather_us"] == 0.0
+    assert all(c["q"].shape == (1, 10, 64, 576) for c in ops.calls)
+    acc = {a["kernel"]: a for a in section["accuracy"]}
+    assert acc[bp.DECODE_KIND]["nonfinite"] == 0 and acc[bp.DECODE_KIND]["rel_l2"] < 3e-2
+    table = bp.prefill_table(section)
+    assert f"| {bp.DECODE_KIND}: vLLM runs it here | yes |" in table and "| fake/bf16: vLLM runs it here | no |" in table

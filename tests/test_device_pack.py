@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,77 @@ def test_every_shim_says_what_it_hides():
     for shim in shims.SHIMS:
         doc = shim.__doc__ or ""
         assert "Why:" in doc and "Hides:" in doc, f"{shim.__name__} does not say why it exists and what it hides"
+
+
+@needs_bash
+def test_dry_vllm_step_takes_another_pack(tmp_path):
+    """--vllm DIR (DIR holding a vllm_site.tar.xz) and --vllm=DIR unpack that pack instead of .carry/vllm."""
+    pack = tmp_path / "vllm_flashmla"
+    pack.mkdir()
+    (pack / "vllm_site.tar.xz").write_bytes(b"")
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path / "out")}
+    for args in (["--vllm", str(pack)], [f"--vllm={pack}"]):
+        done = subprocess.run(["bash", "tools/device_run.sh", *args, "suite", "--quick"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        unpack, path, suite = done.stdout.strip().splitlines()
+        assert f"{pack}/vllm_site.tar.xz" in unpack and ".carry/vllm/" not in unpack
+        assert path.startswith("PYTHONPATH=/tmp/vllm_site:")
+        assert "python3 -m vllm_kimi_dsa bench" in suite and suite.endswith("--quick")
+
+
+@needs_bash
+@pytest.mark.skipif(shutil.which("xz") is None, reason="no xz on this machine")
+def test_pack_from_another_pack_cuts_the_libraries_to_flashmla(tmp_path):
+    """SO=flashmla FROM=DIR: no download; DIR's site tarball copied as it is and its compiled libraries cut to
+    FlashMLA's two (what the bench's FlashMLA peers load), so the vLLM pack fits a call beside the fa3 tree."""
+    src = tmp_path / "full"
+    lib = tmp_path / "lib" / "vllm"
+    (lib / "third_party" / "deep_gemm").mkdir(parents=True)
+    for name in ("_C_stable_libtorch.abi3.so", "_flashmla_C.abi3.so", "_flashmla_extension_C.abi3.so",
+                 "cumem_allocator.abi3.so", "third_party/deep_gemm/_C_extension.abi3.so"):
+        (lib / name).write_bytes(name.encode() * 100)
+    src.mkdir()
+    subprocess.run(f"tar -cf - -C {tmp_path / 'lib'} . | xz > {src / 'vllm_so.tar.xz'}", shell=True, check=True)
+    (src / "vllm_site.tar.xz").write_bytes(b"site")
+    dest = tmp_path / "vllm_flashmla"
+    done = subprocess.run(["bash", str(TOOLS / "pack_vllm.sh"), str(dest)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "SO": "flashmla", "FROM": str(src)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (dest / "vllm_site.tar.xz").read_bytes() == b"site"
+    listed = subprocess.run(["tar", "-tJf", str(dest / "vllm_so.tar.xz")], capture_output=True, text=True).stdout
+    files = sorted(x for x in listed.split() if x.endswith(".so"))
+    assert files == ["./vllm/_flashmla_C.abi3.so", "./vllm/_flashmla_extension_C.abi3.so"], files
+
+
+_FLASHMLA_OPS_UNDER_SHIMS = """
+import importlib.util, json
+spec = importlib.util.spec_from_file_location("vllm_device_shims", "tools/vllm_device_shims.py")
+shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+report = shims.install()
+import vllm.v1.attention.ops.flashmla as ops
+from vllm_kimi_dsa.bench.peers import flashmla as pf
+ok, why = ops.is_flashmla_sparse_supported()
+names = all(callable(getattr(ops, n)) for n in ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"))
+print(json.dumps({"report": report, "supported": ok, "why": why, "names": names, "vllm": pf.vllm_available()}))
+"""
+
+
+def test_vllm_flashmla_ops_import_under_the_device_shims():
+    """vLLM's flashmla ops module (what FLASHMLA_SPARSE imports and the bench's FlashMLA peers call) imports under
+    tools/vllm_device_shims.py with vLLM's own tree, as far as a CPU allows: its wrappers are there; without CUDA
+    they report FlashMLA unavailable (the compiled library needs libcuda), which the peer reports instead of
+    running."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    done = subprocess.run([sys.executable, "-c",
+                           _FLASHMLA_OPS_UNDER_SHIMS], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    assert res["names"] and res["vllm"][0]
+    assert set(res["report"]) == {"stable_libtorch", "deep_gemm", "flash_attn", "fused_q_cutedsl"}
+    if not res["supported"]:
+        assert "_flashmla_C" in res["why"] or "Hopper" in res["why"], res["why"]

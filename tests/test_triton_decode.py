@@ -206,7 +206,7 @@ def test_one_tile_a_split_when_every_split_fits_one_wave(name, heads, cfg):
     checked = 0
     for sms in (132, 114, 78):
         slots_per_wave = sms * cfg.ctas_per_sm
-        for width in (8 * cfg.block_n, 1024, 2048):
+        for width in (8 * cfg.block_n, 1024, 2048, 4096):
             tiles = -(-width // cfg.block_n)
             head_blocks = -(-heads // cfg.block_h)
             for rows in range(1, slots_per_wave // (head_blocks * tiles) + 1):

@@ -13,9 +13,11 @@
 #   py SCRIPT.py|-m MOD [ARGS] any Python, e.g. benchmarks/bench_gluon.py --out $OUT ... or -m vllm_kimi_dsa tune
 # --t38: Triton 3.8 (vLLM 0.33's) from .carry/t38 ahead of the image's Triton, Gluon kernels forced
 # (VLLM_KIMI_DSA_GLUON=1); pack it here first (not on the device): bash tools/device_run.sh pack-t38 [DEST].
-# --vllm: vLLM 0.33's Python code from .carry/vllm (bash tools/pack_vllm.sh here first; carry .carry/vllm), unpacked
-# into /tmp/vllm_site once a machine (again only when the pack changed), ahead of site-packages; vllm_so.tar.xz, when
-# carried, adds vLLM's compiled libraries cut to sm_90. Offline: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, no usage stats,
+# --vllm [DIR] (or --vllm=DIR, or $VLLM_PACK): vLLM 0.33's Python code from DIR (default .carry/vllm; bash
+# tools/pack_vllm.sh here first; carry DIR), unpacked into /tmp/vllm_site once a machine (again only when the pack
+# changed), ahead of site-packages; vllm_so.tar.xz, when carried, adds vLLM's compiled libraries cut to sm_90
+# (.carry/vllm_flashmla, SO=flashmla FROM=.carry/vllm bash tools/pack_vllm.sh .carry/vllm_flashmla: FlashMLA's
+# libraries alone, what the suite's FlashMLA peers run; small enough to carry with .carry/fi). Offline: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, no usage stats,
 # the engine in-process. A test calls tools/vllm_device_shims.py's install() first (what torch 2.11 cannot load).
 # --budget S: seconds for all steps (default 560). $OUT gets summary.txt and one log a step (N_STEP.log); past 8 files
 # (what the tool returns) all but summary.txt and bench_suite.json go into logs.tgz. DRY=1 prints the steps only.
@@ -44,8 +46,9 @@ if [ "${1:-}" = pack-t38 ]; then  # Triton 3.8's cp312 wheel less what a compile
 fi
 
 # --vllm: the pack (site, then the compiled libraries if carried) unpacked unless /tmp/vllm_site holds this very pack
+VLLM_PACK=${VLLM_PACK:-.carry/vllm}
 vllm_env() {
-  local p=.carry/vllm id
+  local p=$VLLM_PACK id
   if [ -n "${DRY:-}" ]; then
     echo "unpack $p/vllm_site.tar.xz and $p/vllm_so.tar.xz (if carried) into /tmp/vllm_site unless already there"
   else
@@ -68,7 +71,9 @@ while [ $# -gt 0 ]; do
   case $1 in
     --t38) mkdir -p /tmp/t38 && tar -xJf .carry/t38/t38.tar.xz -C /tmp/t38 || { echo "no .carry/t38"; exit 3; }
            export PYTHONPATH=/tmp/t38:$PYTHONPATH VLLM_KIMI_DSA_GLUON=1; shift;;
-    --vllm) vllm_env || exit 3; shift;;
+    --vllm=*) VLLM_PACK=${1#--vllm=}; vllm_env || exit 3; shift;;
+    --vllm) if [ -f "${2:-}/vllm_site.tar.xz" ]; then VLLM_PACK=$2; shift; fi
+            vllm_env || exit 3; shift;;
     --budget) BUDGET=$2; shift 2;;
     *) break;;
   esac

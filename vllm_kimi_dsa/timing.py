@@ -26,38 +26,126 @@ def cuda_graph_time_us(calls: Sequence[Callable[[], Any]], *, reps_time_s: float
     pair per replay, and the median replay time is divided by len(calls). Rotating over several
     calls that read different data keeps the KV reads out of L2.
     """
-    import torch
+    timer = GraphTimer(calls)
+    try:
+        return timer.time_us(reps_time_s=reps_time_s, min_reps=min_reps, max_reps=max_reps)
+    finally:
+        timer.close()
 
-    if not calls:
-        raise ValueError("calls must not be empty")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
+
+class GraphTimer:
+    """`calls` captured once into a CUDA graph (after one eager run on a side stream); time_us() replays it, as often
+    as asked, so several kernels' graphs can be timed in turn (interleaved_us) without capturing them again."""
+
+    def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
+        import torch
+
+        if not calls:
+            raise ValueError("calls must not be empty")
+        self.calls = len(calls)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph: Any = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for c in calls:
+                c()
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def time_us(self, *, reps_time_s: float = 0.05, min_reps: int = 10, max_reps: int = 200) -> float:
+        """Median µs per call: replays for about reps_time_s (min_reps..max_reps), one event pair each."""
+        import torch
+
+        t0 = time.perf_counter()
+        self.graph.replay()
+        torch.cuda.synchronize()
+        once = max(time.perf_counter() - t0, 1e-6)
+        reps = int(min(max_reps, max(min_reps, reps_time_s / once)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for s, e in zip(starts, ends):
+            s.record()
+            self.graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return ms * 1e3 / self.calls
+
+    def close(self) -> None:
+        self.graph = None
+
+
+class HostTimer:
+    """GraphTimer's stand-in off CUDA (Triton's interpreter, stand-in peers): the calls run eagerly, timed by the host
+    clock, once a time_us(): it checks the plumbing, it measures nothing."""
+
+    def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
+        if not calls:
+            raise ValueError("calls must not be empty")
+        self.list = list(calls)
+        self.calls = len(self.list)
+        for c in self.list:
             c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
+
+    def time_us(self, *, reps_time_s: float = 0.05, min_reps: int = 10, max_reps: int = 200) -> float:
+        t0 = time.perf_counter()
+        for c in self.list:
             c()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    once = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max_reps, max(min_reps, reps_time_s / once)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    del graph
-    return ms * 1e3 / len(calls)
+        return (time.perf_counter() - t0) * 1e6 / self.calls
+
+    def close(self) -> None:
+        self.list = []
+
+
+def make_timer(calls: Sequence[Callable[[], Any]], device: Any) -> GraphTimer | HostTimer:
+    """A GraphTimer on a CUDA device, else a HostTimer."""
+    return GraphTimer(calls) if getattr(device, "type", str(device)) == "cuda" else HostTimer(calls)
+
+
+def interleaved_us(timers: dict[str, GraphTimer | HostTimer], repeats: int, **kw: Any) -> dict[str, list[float]]:
+    """µs per call of every timer, `repeats` rounds, each round timing every timer once in turn (the order rotated
+    a round, so none always runs first or right after the same neighbour): {name: [round 1, ...]}. kw: time_us's."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(timers)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            out[name].append(timers[name].time_us(**kw))
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """The median of repeated timings and their spread: {us, us_min, us_max, us_iqr, spread (max - min) / median,
+    us_repeats}."""
+    if not values:
+        raise ValueError("values must not be empty")
+    v = sorted(float(x) for x in values)
+    med = statistics.median(v)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0], v[0], v[0]]
+    return {"us": round(med, 3), "us_min": round(v[0], 3), "us_max": round(v[-1], 3),
+            "us_iqr": round(q[2] - q[0], 3), "spread": round((v[-1] - v[0]) / med, 4) if med else 0.0,
+            "us_repeats": [round(float(x), 3) for x in values]}
+
+
+def l2_bytes(device: Any = None) -> int:
+    """The device's L2 size in bytes (torch's device properties), L2_BYTES where there is none to ask."""
+    try:
+        import torch
+
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+            if size > 0:
+                return size
+    except Exception:  # noqa: BLE001 - a device without the property: the documented default
+        pass
+    return L2_BYTES
 
 
 def wall_time_us(calls: Sequence[Callable[[], Any]], reps: int = 2) -> float:
@@ -128,4 +216,5 @@ def ceilings(device: torch.device, quick: bool) -> dict[str, Any]:
     return res
 
 
-__all__ = ["L2_BYTES", "ceilings", "cuda_graph_time_us", "rotation_sets", "wall_time_us"]
+__all__ = ["L2_BYTES", "GraphTimer", "HostTimer", "ceilings", "cuda_graph_time_us", "interleaved_us", "l2_bytes",
+           "make_timer", "rotation_sets", "spread", "wall_time_us"]

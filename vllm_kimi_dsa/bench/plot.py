@@ -141,6 +141,20 @@ def ratio_rows(recs: list[dict[str, Any]], heads: int, show: list[int]) -> list[
     return out
 
 
+def measured_ratio_rows(ratios: list[dict[str, Any]], heads: int, show: list[int]) -> list[str]:
+    """The suite's interleaved ratios (JSON 'ratios'): per (ours, peer) a row of `ours / peer` over the rounds,
+    median [min-max], and each side's fraction of its own floor (ours / peer)."""
+    out = []
+    for ours, peer in sorted({(r["ours"], r["peer"]) for r in ratios if r["heads"] == heads}):
+        cells = []
+        for n in show:
+            hit = [r for r in ratios if (r["ours"], r["peer"], r["heads"], r["rows"]) == (ours, peer, heads, n)]
+            cells.append(f"{hit[0]['ratio']:.2f} [{hit[0]['ratio_min']:.2f}-{hit[0]['ratio_max']:.2f}] "
+                         f"({hit[0]['ours_of_floor']:.2f} / {hit[0]['peer_of_floor']:.2f})" if hit else "-")
+        out.append(f"| {ours} / {peer}, in turn (time [range]; each of its own floor) | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> str:
     """The README tables: ceilings; decode µs (TFLOP/s, fraction of floor) and the targets' time ratios per H;
     accuracy; converter; fused."""
@@ -170,13 +184,29 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
             cells = []
             for rw in show:
                 hit = [r for r in recs if r["kernel"] == k and r["heads"] == heads and r["rows"] == rw]
-                cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f})" if hit else "-")
+                sp = f" ±{50 * hit[0]['spread']:.0f}%" if hit and hit[0].get("spread") else ""
+                cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f}){sp}" if hit
+                             else "-")
             if any(c != "-" for c in cells):
                 lines.append(f"| {k} | " + " | ".join(cells) + " |")
         lines += ratio_rows(recs, heads, show)
+        lines += measured_ratio_rows(data.get("ratios", []), heads, show)
         lines.append("")
     acc = data.get("accuracy", [])
-    if acc:
+    if acc and all("tolerance" in a for a in acc):
+        lines += ["**Error vs float32 on the BF16 source values** (each kernel on its own quantization of the same "
+                  "source; tolerance = 2x the rel L2 predicted from the kernel's measured rounding of this data)", "",
+                  "| kernel | rows | H | rel L2 | tolerance | within | vs its own values | holds |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for a in sorted(acc, key=lambda a: (-a["heads"], a["rows"], a["kernel"])):
+            own = f"{a['rel_l2_own']:.2e}" if "rel_l2_own" in a else "-"
+            lines.append(f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['tolerance']:.2e} | "
+                         f"{'yes' if a['within_tolerance'] else 'NO'} | {own} | {a.get('holds', '')} |")
+        pv = info.get("fp8_pv_default")
+        if pv:
+            lines += ["", f"FP8 P.V ({pv['rule']}): {pv['verdict']}."]
+        lines.append("")
+    elif acc:
         lines += ["**Error vs the float32 reference** (ragged counts, -1 tails; nvfp4 also vs the fp8 rows it was "
                   "packed from: its own rounding included)", "",
                   "| kernel | rows | H | rel L2 | max abs | nvfp4: rel L2 vs its source |", "|---|---|---|---|---|---|"]

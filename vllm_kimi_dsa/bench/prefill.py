@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from vllm_kimi_dsa.bench.peers import flashmla as decode_peer
 from vllm_kimi_dsa.bench.peers import flashmla_prefill as prefill_peer
 from vllm_kimi_dsa.formats import FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, flat_kv_row_view
 from vllm_kimi_dsa.heads import check_heads
@@ -62,6 +63,9 @@ MAX_ROWS = 512  # vLLM's planned decode batch (serving.planned_rows: the largest
 SAMPLE_ROWS = 48  # query tokens checked against the float32 reference, besides each piece's first and last
 PEER_KINDS = {"flashmla-9241ae3": "flashmla/bf16", "vllm-0.33": "flashmla-vllm/bf16"}  # build source -> kernel name
 OURS = "layerstep/fp8"
+# FlashMLA's FP8 sparse decode kernel over the whole chunk: what vLLM runs for a prefill chunk below 32 heads a rank
+# (FlashMLASparseImpl's mixed batch, (1, T, 64) on the fp8_ds_mla cache, no gather); from vLLM's pack only
+DECODE_KIND = "flashmla-vllm/fp8_ds_mla"
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,19 @@ def workspace_indices(inp: PrefillInputs) -> torch.Tensor:
     -1 kept."""
     start = inp.req_id * inp.case.seq_len
     return torch.where(inp.topk >= 0, inp.topk + start.unsqueeze(1), torch.full_like(inp.topk, -1))
+
+
+def gather_ds_workspace(ds_rows: torch.Tensor, ctx: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """vLLM's prefill gather (`cp_gather_and_upconvert_fp8_kv_cache`: the context's fp8_ds_mla rows dequantized into
+    the BF16 workspace) as torch ops: rows `ctx` of the 656 B rows, each latent tile times its fp32 scale, the BF16
+    RoPE copied. A stand-in (several passes where vLLM's op makes one): its time bounds vLLM's from above."""
+    r = ds_rows.index_select(0, ctx)
+    n = r.shape[0]
+    lat = r[:, :LATENT_DIM].view(torch.float8_e4m3fn).float().view(n, 4, LATENT_DIM // 4)
+    scale = r[:, LATENT_DIM:LATENT_DIM + 16].view(torch.float32)
+    workspace[:, :LATENT_DIM] = (lat * scale.unsqueeze(-1)).view(n, LATENT_DIM)
+    workspace[:, LATENT_DIM:] = r[:, LATENT_DIM + 16:].view(torch.bfloat16)
+    return workspace
 
 
 def gather_workspace(kv_rows: torch.Tensor, ctx: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
@@ -337,12 +354,16 @@ class PeerBuild:
         records = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
         info = {"rc": rc, "wall_s": round(time.perf_counter() - self.t0, 1), "records": records,
                 "tail": text[-1500:] if rc else ""}
-        found: dict[str, tuple[Callable[..., Any], list[dict]]] = {}
+        found: dict[str, tuple[Any, list[dict]]] = {}
         for source, kind in PEER_KINDS.items():
             probes = [r for r in records if r.get("step") == "probe" and r.get("source") == source]
             if probes and all(r.get("ok") for r in probes):
                 try:
-                    found[kind] = (prefill_peer.load(probes[0]["so"]), probes)
+                    if probes[0].get("route"):  # vLLM's pack: its wrappers, and its decode kernel for H < 32
+                        found[kind] = (prefill_peer.vllm_fwd()[0], probes)
+                        found[DECODE_KIND] = (decode_peer.vllm_ops()[0], probes)
+                    else:
+                        found[kind] = (prefill_peer.load(probes[0]["so"]), probes)
                 except Exception as err:
                     info.setdefault("load_errors", {})[kind] = f"{type(err).__name__}: {err}"[:500]
         return found, info
@@ -372,11 +393,13 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
                   "queries far past L2, the context is re-read from L2 within a call anyway)",
         "ours": "serving.LayerStep(query e4m3, cache, flat rows, counts): pieces of max_rows through the core's "
                 "decode, each piece's latent copied into the chunk's new output",
-        "peer": "flash_mla_sparse_fwd as vLLM's _bf16_flash_mla_kernel runs it: BF16 query padded to a multiple "
-                "of 64 heads, BF16 workspace (the context gathered and dequantized), workspace offsets, "
-                "topk_length = counts, first H heads copied out; the gather is timed apart (gather_us, a torch "
-                "stand-in for vLLM's cp_gather_and_upconvert_fp8_kv_cache, and gather_floor_us for 656 B rows "
-                "read + BF16 written once)",
+        "peer": "as vLLM 0.33's FlashMLASparseImpl runs a prefill chunk on an fp8_ds_mla cache: at >= 32 heads "
+                "the gather of the context into a BF16 workspace (a torch stand-in for "
+                "cp_gather_and_upconvert_fp8_kv_cache; gather_us alone, gather_floor_us its floor) then "
+                "flash_mla_sparse_fwd (BF16 query padded to a multiple of 64 heads, workspace offsets, topk_length, "
+                "out= its padded buffer, the first H heads copied out): us includes the gather, kernel_us does not; "
+                "below 32 heads the chunk through FlashMLA's FP8 decode kernel as one mixed batch ((1, T, 64), "
+                "no gather; " + DECODE_KIND + "); vllm_runs_it says which one vLLM runs at each head count",
         "floor": "max(flops / matmul rate, (query + latent + each request's context once) / copy_GBps)",
         "vllm_h_below_32": "vLLM runs FLASHMLA_SPARSE's mixed batch below 32 heads a rank (FlashMLA's FP8 "
                            "sparse decode kernel over the whole chunk), not this peer",
@@ -442,37 +465,73 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
             if peers:
                 def peer_data() -> dict[str, Any]:
                     ctx = context_rows(inp)
+                    # the cache as FLASHMLA_SPARSE holds it: the same values as 656 B fp8_ds_mla rows (vLLM's scales)
+                    ds = decode_peer.quantize_fp8_ds_mla(inp.kv_rows.float() * K_SCALE)
                     ws = torch.empty((ctx.numel(), HEAD_DIM), dtype=torch.bfloat16, device=device)
-                    kv = inp.kv_rows
-                    gather_workspace(kv, ctx, ws)
-                    g = time_us(lambda: gather_workspace(kv, ctx, ws), device, reps=reps, warmup=1)
+                    gather_ds_workspace(ds, ctx, ws)
+                    g = time_us(lambda: gather_ds_workspace(ds, ctx, ws), device, reps=reps, warmup=1)
                     gather_floor = ctx.numel() * (FP8_DS_MLA_ROW_BYTES + 2 * HEAD_DIM) / (float(ceil["copy_GBps"]) * 1e9)
-                    return {"ws": ws, "idx": workspace_indices(inp), "q16": inp.query.to(torch.bfloat16),
+                    return {"ws": ws, "ds": ds, "ctx": ctx, "idx": workspace_indices(inp),
+                            "q16": inp.query.to(torch.bfloat16) * Q_SCALE,
                             "gather_us": round(g["us"], 3), "gather_floor_us": round(gather_floor * 1e6, 3)}
 
                 pdata = guarded({**base, "kernel": "peer data"}, peer_data)
                 for kind, fwd in (peers.items() if pdata is not None else ()):
+                    def run_decode_kernel(kind: str = kind, ops: Any = fwd) -> None:
+                        """vLLM below 32 heads: the whole chunk through FlashMLA's FP8 decode kernel (1, T, 64)."""
+                        their = decode_peer.VllmFlashMLA(ops, h, case.rows, sm_scale=SCALE, device=device)
+                        call = lambda: their.run(pdata["q16"], pdata["ds"], inp.slots)  # noqa: E731
+                        their.plan(pdata["q16"], pdata["ds"], inp.slots)  # the step's metadata, outside the timing
+                        poison_next_output((1, case.rows, their.padded, LATENT_DIM), device)
+                        out = call()
+                        acc = {**base, "kernel": kind, **accuracy(out, ref, rows)}
+                        section["accuracy"].append(acc)
+                        t = time_us(call, device, reps=reps, warmup=warmup)
+                        fl = prefill_floor(case, ceil, q_bytes=2, kv_row_bytes=FP8_DS_MLA_ROW_BYTES, compute="bf16")
+                        rec = {**base, "kernel": kind, "padded_heads": their.padded, **with_time(fl, t["us"]),
+                               "us_min": t["us_min"], "us_max": t["us_max"], "reps": t["reps"],
+                               "kernel_us": round(t["us"], 3), "gather_us": 0.0, "gather_floor_us": 0.0,
+                               "call": their.describe(), "vllm_runs_it": h < decode_peer.MIN_HEADS_FOR_BF16_PREFILL}
+                        section["results"].append(rec)
+                        log(f"prefill {kind:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us "
+                            f"{rec['tflops']:7.1f} TF/s floor {rec['floor_us']:9.1f} us ({rec['of_floor']:.2f}) "
+                            f"rel L2 {acc['rel_l2']:.2e} ({rec['call']}; vLLM runs it: {rec['vllm_runs_it']})")
+
                     def run_peer(kind: str = kind, fwd: Callable[..., Any] = fwd) -> None:
-                        their = prefill_peer.PrefillPeer(fwd, h, case.rows, sm_scale=SCALE * Q_SCALE, device=device)
-                        call = lambda: their.run(pdata["q16"], pdata["ws"], pdata["idx"], inp.counts)  # noqa: E731
+                        """vLLM at >= 32 heads: the gather into the BF16 workspace, then flash_mla_sparse_fwd."""
+                        their = prefill_peer.PrefillPeer(fwd, h, case.rows, sm_scale=SCALE, device=device)
+                        kernel = lambda: their.run(pdata["q16"], pdata["ws"], pdata["idx"], inp.counts)  # noqa: E731
+
+                        def call() -> torch.Tensor:  # what vLLM does per chunk: gather, pad, kernel, copy out
+                            gather_ds_workspace(pdata["ds"], pdata["ctx"], pdata["ws"])
+                            return kernel()
+
                         poison_next_output((case.rows, their.padded, LATENT_DIM), device)
                         their.out.fill_(float("nan"))
                         out = call()
                         acc = {**base, "kernel": kind, **accuracy(out, ref, rows)}
                         section["accuracy"].append(acc)
                         t = time_us(call, device, reps=reps, warmup=warmup)
+                        tk = time_us(kernel, device, reps=reps, warmup=warmup)
                         fl = prefill_floor(case, ceil, q_bytes=2, kv_row_bytes=2 * HEAD_DIM, compute="bf16")
                         rec = {**base, "kernel": kind, "padded_heads": their.padded, **with_time(fl, t["us"]),
                                "us_min": t["us_min"], "us_max": t["us_max"], "reps": t["reps"],
-                               "gather_us": pdata["gather_us"], "gather_floor_us": pdata["gather_floor_us"],
-                               "vllm_runs_it": h >= 32}
+                               "kernel_us": round(tk["us"], 3), "gather_us": pdata["gather_us"],
+                               "gather_floor_us": pdata["gather_floor_us"],
+                               "kernel_plus_gather_floor_us": round(tk["us"] + pdata["gather_floor_us"], 3),
+                               "vllm_runs_it": h >= decode_peer.MIN_HEADS_FOR_BF16_PREFILL}
                         section["results"].append(rec)
-                        log(f"prefill {kind:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us "
-                            f"{rec['tflops']:7.1f} TF/s floor {rec['floor_us']:9.1f} us ({rec['of_floor']:.2f}) "
-                            f"rel L2 {acc['rel_l2']:.2e} (heads padded to {their.padded}; gather "
-                            f"{pdata['gather_us']:.1f} us, floor {pdata['gather_floor_us']:.1f})")
+                        log(f"prefill {kind:<20} {case.name:>7} H={h:<4} {rec['us']:10.1f} us with the gather "
+                            f"({rec['kernel_us']:.1f} kernel) {rec['tflops']:7.1f} TF/s floor {rec['floor_us']:9.1f} "
+                            f"us ({rec['of_floor']:.2f}) rel L2 {acc['rel_l2']:.2e} (heads padded to {their.padded}; "
+                            f"gather {pdata['gather_us']:.1f} us, floor {pdata['gather_floor_us']:.1f}; vLLM runs it: "
+                            f"{rec['vllm_runs_it']})")
 
-                    guarded({**base, "kernel": kind}, run_peer)
+                    if kind == DECODE_KIND:
+                        if h < decode_peer.MIN_HEADS_FOR_BF16_PREFILL:
+                            guarded({**base, "kernel": kind}, run_decode_kernel)
+                    else:
+                        guarded({**base, "kernel": kind}, run_peer)
                 del pdata
             del inp, ref
             if device.type == "cuda":
@@ -482,16 +541,20 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Our time over each peer's per (case, H): the kernel alone, and with the peer's gather floor added."""
+    """Our time over each peer's per (case, H): over the peer's whole call as vLLM makes it (us: the gather stand-in
+    included where vLLM gathers), and over its kernel plus the gather's floor (the least vLLM's one-kernel gather
+    could take); vllm_runs_it: whether vLLM runs that peer at this head count."""
     out = []
     ours = {(r["case"], r["heads"]): r for r in results if r["kernel"] == OURS}
     for r in results:
         mine = ours.get((r["case"], r["heads"]))
         if r["kernel"] == OURS or mine is None:
             continue
+        low = r.get("kernel_plus_gather_floor_us", r["us"] + r.get("gather_floor_us", 0.0))
         out.append({"case": r["case"], "heads": r["heads"], "peer": r["kernel"],
                     "ours_over_peer": round(mine["us"] / r["us"], 3),
-                    "ours_over_peer_with_gather": round(mine["us"] / (r["us"] + r.get("gather_floor_us", 0.0)), 3)})
+                    "ours_over_peer_with_gather": round(mine["us"] / low, 3),
+                    "vllm_runs_it": r.get("vllm_runs_it")})
     return out
 
 
@@ -511,13 +574,20 @@ def prefill_table(section: dict[str, Any]) -> str:
             hit = [r for r in res if r["kernel"] == k and r["heads"] == h and r["case"] == c]
             cells.append(f"{hit[0]['us']:.1f} ({hit[0]['tflops']:.0f}; {hit[0]['of_floor']:.2f})" if hit else "-")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    for k in kinds[1:]:
+        cells = []
+        for h, c in cols:
+            hit = [r for r in res if r["kernel"] == k and r["heads"] == h and r["case"] == c]
+            cells.append(("yes" if hit[0].get("vllm_runs_it") else "no") if hit else "-")
+        lines.append(f"| {k}: vLLM runs it here | " + " | ".join(cells) + " |")
     for peer in sorted({q["peer"] for q in section.get("ratios", [])}):
         cells = []
         for h, c in cols:
             hit = [q for q in section["ratios"] if q["peer"] == peer and q["heads"] == h and q["case"] == c]
             cells.append(f"{hit[0]['ours_over_peer']:.2f} ({hit[0]['ours_over_peer_with_gather']:.2f})" if hit
                          else "-")
-        lines.append(f"| ours / {peer} (time; with its gather floor) | " + " | ".join(cells) + " |")
+        lines.append(f"| ours / {peer} (time, its gather included; over its kernel + the gather's floor) | "
+                     + " | ".join(cells) + " |")
     for k in kinds:
         cells = []
         for h, c in cols:
@@ -526,10 +596,11 @@ def prefill_table(section: dict[str, Any]) -> str:
                                                       else "") if hit else "-")
         lines.append(f"| rel L2 {k} | " + " | ".join(cells) + " |")
     gathers = [f"{r['case']} H={r['heads']} {r['gather_us']:.1f} µs (floor {r['gather_floor_us']:.1f})"
-               for r in res if r["kernel"] != OURS and "gather_us" in r]
+               for r in res if r["kernel"] != OURS and r.get("gather_us")]
     if gathers:
         lines.append("")
-        lines.append("Peer's gather (torch stand-in, not in its time): " + "; ".join(dict.fromkeys(gathers)))
+        lines.append("The BF16 prefill peer's gather (vLLM's cp_gather_and_upconvert_fp8_kv_cache as a torch stand-in, "
+                     "in its time): " + "; ".join(dict.fromkeys(gathers)))
     return "\n".join(lines)
 
 
@@ -557,6 +628,10 @@ def prefill_suite(device: torch.device | str, ceil: dict[str, Any], build: PeerB
 
 def start_peer_build(harness: str | None, heads: Sequence[int]) -> tuple[PeerBuild | None, str]:
     """The background build of the peer when its harness is here: (PeerBuild or None, a note for the JSON)."""
+    if not harness and decode_peer.vllm_available()[0]:
+        build_dir = os.path.join(tempfile.gettempdir(), "fmla_prefill_build")
+        return PeerBuild(None, build_dir, heads), ("vLLM 0.33's _flashmla_C from the vLLM pack: flash_mla_sparse_fwd "
+                                                  "(>= 32 heads) and the FP8 decode kernel's mixed batch (< 32)")
     ok, where = prefill_peer.available(harness)
     if not ok:
         return None, f"skipped: {where}"

@@ -2,9 +2,12 @@
 
 Our Triton kernel (FP8, nvfp4_ds_mla; FP8 with VLLM_KIMI_DSA_FP8_PV=1 at > 32 heads: triton-pv8/fp8) vs the Hopper
 peers -- FlashInfer's SM90 fa3 (vLLM's FLASHINFER_MLA_SPARSE_SM90) and FlashMLA's sparse FP8 decode as vLLM's default
-FLASHMLA_SPARSE runs it (query padded to 64 / 128 heads) -- also a plain-torch baseline, the top-k converter vs a
-same-bytes copy, convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported
-against. JSON first (DIR/bench_suite.json); bench.plot draws it.
+FLASHMLA_SPARSE runs it (vLLM's own _flashmla_C through its wrappers where the vLLM pack is carried, the call shapes
+and query padding of FlashMLASparseImpl) -- also a plain-torch baseline, the top-k converter vs a same-bytes copy,
+convert+decode in one graph, and the machine's copy / matmul ceilings every result is reported against. At every
+point ours and each peer are timed in turn, --repeats rounds (median and spread; ratios with each side's fraction of
+its own floor); accuracy on BF16 source data, each kernel on its own quantization, with stated tolerances. JSON first
+(DIR/bench_suite.json); bench.plot draws it.
 
     python -m vllm_kimi_dsa bench --out DIR [--quick] [--no-peer] [--peers fa3,flashmla] [--flashmla DIR]
 
@@ -32,6 +35,7 @@ import datetime as _dt
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +54,9 @@ from vllm_kimi_dsa.formats import (
     FP8_DS_MLA_ROW_BYTES, FP8_ROW_BYTES, HEAD_DIM, LATENT_DIM, NVFP4_ROW_BYTES, pack_nvfp4,
 )
 from vllm_kimi_dsa.heads import FEW_HEADS_MAX
-from vllm_kimi_dsa.timing import L2_BYTES, ceilings, cuda_graph_time_us
+from vllm_kimi_dsa.timing import (
+    L2_BYTES, ceilings, cuda_graph_time_us, interleaved_us, l2_bytes, make_timer, spread,
+)
 
 PEER_KV = tuple(fa3.KV_DTYPES)  # the KV dtypes the fa3 peer builds
 PEERS = ("fa3", "flashmla")  # fa3: FlashInfer's SM90 MLA wrapper; flashmla: FlashMLA's sparse FP8 decode (vLLM's)
@@ -64,13 +70,16 @@ FULL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 20, 32, 64, 80, 160, 320)
 FULL_HEADS = (128, 64, 32, 24, 16, 12, 8, 4)
 QUICK_ROWS = (1, 5, 64, 320)
 QUICK_HEADS = (128, 12)
-ERROR_SIZES = ((5, 128), (64, 16), (20, 12), (320, 128), (64, 8), (20, 4), (80, 24))
+ERROR_SIZES = ((1, 128), (5, 128), (320, 128), (20, 64), (160, 64), (80, 24), (64, 16), (20, 12), (5, 8), (64, 8),
+               (20, 4))
 QUICK_ERROR_SIZES = ((5, 128),)
 TORCH_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (5, 16), (80, 16))
 FUSED_SIZES = ((1, 128), (5, 128), (20, 128), (80, 128), (320, 128), (5, 12), (80, 12))
 ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4_ds_mla": NVFP4_ROW_BYTES, "bf16": 2 * HEAD_DIM,
              "fp8_ds_mla": FP8_DS_MLA_ROW_BYTES}
-MAX_SETS = 64
+MAX_SETS = 64  # input sets a pool: the cache windows (Data's shifted copies) one slot pool rotates through
+MAX_POOLS = 8  # slot pools: past MAX_SETS sets a point draws another pool of slots over the same windows
+REPEATS = 3  # timings of every kernel at a point, taken in turn (timing.interleaved_us)
 # our kernel's rows of the tables: as the core binds it, with even plans only (--even), with VLLM_KIMI_DSA_FP8_PV=1
 OUR_FAMILIES = ("triton", "triton-even", "triton-pv8")
 
@@ -121,10 +130,17 @@ class Data:
                    if t is not None)
 
 
-def n_sets(rows: int) -> int:
-    """Input sets per graph: one replay must read > 2x L2 even in the smallest format, at least 4."""
+def n_sets(rows: int, l2: int = L2_BYTES) -> int:
+    """Input sets per graph: one replay must read > 2x L2 (`l2`: the device's, timing.l2_bytes) even in the smallest
+    format, at least 4. Past MAX_SETS the sets come from more slot pools (pool_of), up to MAX_POOLS of them."""
     per_call = rows * K * NVFP4_ROW_BYTES
-    return int(min(MAX_SETS, max(4, math.ceil(2 * L2_BYTES / per_call))))
+    return int(min(MAX_SETS * MAX_POOLS, max(4, math.ceil(2 * l2 / per_call))))
+
+
+def pool_of(s: int) -> tuple[int, int]:
+    """(slot pool, cache window) of input set s: pool s // MAX_SETS over window s % MAX_SETS, so two sets never
+    share both their slots and their window."""
+    return s // MAX_SETS, s % MAX_SETS
 
 
 def request_slots(rows: int, g: torch.Generator, device: torch.device, base_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,15 +161,22 @@ def request_slots(rows: int, g: torch.Generator, device: torch.device, base_rows
 
 def config_inputs(rows: int, heads: int, sets: int, device: torch.device, base_rows: int,
                   bf16: bool) -> dict[str, Any]:
-    """The (rows, H) inputs every kernel gets: slots, full counts, `sets` queries (fp8 and the same in BF16)."""
+    """The (rows, H) inputs every kernel gets: slots (one pool per MAX_SETS sets: "pools"; "slots" the first), full
+    counts, `sets` queries (fp8 and the same in BF16) and outputs."""
     g = torch.Generator(device=device).manual_seed(rows * 1000 + heads)
-    _, slots = request_slots(rows, g, device, base_rows)
+    pools = [request_slots(rows, g, device, base_rows)[1] for _ in range(pool_of(sets - 1)[0] + 1)]
+    slots = pools[0]
     counts = torch.full((rows,), K, dtype=torch.int32, device=device)
     q8 = [(torch.randn((rows, heads, HEAD_DIM), device=device, generator=g) / Q_SCALE).to(torch.float8_e4m3fn)
           for _ in range(sets)]
     q16 = [q.to(torch.bfloat16) for q in q8] if bf16 else []  # exact: e4m3 fits BF16
     outs = [torch.empty((rows, heads, LATENT_DIM), dtype=torch.bfloat16, device=device) for _ in range(sets)]
-    return {"slots": slots, "counts": counts, "q8": q8, "q16": q16, "outs": outs}
+    return {"slots": slots, "pools": pools, "counts": counts, "q8": q8, "q16": q16, "outs": outs}
+
+
+def set_slots(inp: dict[str, Any], s: int) -> torch.Tensor:
+    """The slots of input set s (its pool's)."""
+    return inp["pools"][pool_of(s)[0]]
 
 
 def error_inputs(rows: int, heads: int, device: torch.device, base_rows: int) -> dict[str, Any]:
@@ -193,12 +216,13 @@ def even_plans() -> Iterator[None]:
 
 
 def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True,
-                  fp8_pv: bool = False) -> Callable[..., None]:
-    """Our kernel as the core binds it; lead False: even plans only (--even); fp8_pv: VLLM_KIMI_DSA_FP8_PV=1."""
+                  fp8_pv: bool = False, kernel_scales: tuple[float, float] | None = None) -> Callable[..., None]:
+    """Our kernel as the core binds it; lead False: even plans only (--even); fp8_pv: VLLM_KIMI_DSA_FP8_PV=1;
+    kernel_scales: (softmax_scale, output_scale) (default: scales(fmt), the timing data's)."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.backends.hopper import TritonDecode
 
-    sm, osc = scales(fmt)
+    sm, osc = kernel_scales or scales(fmt)
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
                         return_lse=False, softmax_scale=sm, output_scale=osc)
     with contextlib.nullcontext() if lead else even_plans(), \
@@ -234,22 +258,26 @@ def torch_decode(q16: torch.Tensor, kv_fp8: torch.Tensor, slots: torch.Tensor, c
 
 
 def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, compute: str,
-            ceil: dict[str, Any]) -> dict[str, Any]:
+            ceil: dict[str, Any], heads_run: int | None = None) -> dict[str, Any]:
     """TFLOP/s-equivalent, KV GB/s and the floor max(bytes / copy bandwidth, flops / matmul rate).
 
     compute: "bf16", "fp8" (all flops at that matmul rate) or "fp8qk" (Q.K at the FP8 rate, P.V at the BF16 rate).
     q_bytes: bytes per query element (1 for e4m3, 2 for BF16).
+    heads_run: the heads the kernel computes (FlashMLA: the query padded to 64 / 128 as vLLM runs it): the floor
+    counts their flops, query and output; TFLOP/s-eq counts the `heads` a caller asked for (the useful work).
     """
+    run = heads if heads_run is None else heads_run
     flops = 2.0 * rows * heads * K * (HEAD_DIM + LATENT_DIM)
     kv_bytes = rows * K * ROW_BYTES[kv_kind]
-    io_bytes = rows * heads * HEAD_DIM * q_bytes + rows * heads * LATENT_DIM * 2  # query in, latent out
+    io_bytes = rows * run * HEAD_DIM * q_bytes + rows * run * LATENT_DIM * 2  # query in, latent out
     bf16_rate = ceil["bf16_TFLOPs"]
     fp8_rate = ceil.get("fp8_TFLOPs") or bf16_rate
+    flops_run = flops * run / heads
     if compute == "fp8qk":  # our Triton kernel: Q.K on FP8 tensor cores, P.V in fp16 (the BF16 rate)
-        qk = 2.0 * rows * heads * K * HEAD_DIM
-        floor_fl = (qk / fp8_rate + (flops - qk) / bf16_rate) / 1e12 * 1e6
+        qk = 2.0 * rows * run * K * HEAD_DIM
+        floor_fl = (qk / fp8_rate + (flops_run - qk) / bf16_rate) / 1e12 * 1e6
     else:
-        floor_fl = flops / ((fp8_rate if compute == "fp8" else bf16_rate) * 1e12) * 1e6
+        floor_fl = flops_run / ((fp8_rate if compute == "fp8" else bf16_rate) * 1e12) * 1e6
     floor_bw = (kv_bytes + io_bytes) / (ceil["copy_GBps"] * 1e9) * 1e6
     floor = max(floor_bw, floor_fl)
     t = us * 1e-6
@@ -257,7 +285,7 @@ def metrics(rows: int, heads: int, us: float, kv_kind: str, q_bytes: int, comput
         "us": round(us, 3), "tflops": round(flops / t / 1e12, 2), "kv_GBps": round(kv_bytes / t / 1e9, 1),
         "floor_us": round(floor, 3), "floor_bw_us": round(floor_bw, 3), "floor_flops_us": round(floor_fl, 3),
         "floor_bound": "bandwidth" if floor_bw >= floor_fl else "compute", "of_floor": round(floor / us, 3),
-        "compute": compute, "kv_bytes": kv_bytes, "flops": flops,
+        "compute": compute, "kv_bytes": kv_bytes, "flops": flops, "heads_run": run,
     }
 
 
@@ -302,48 +330,66 @@ def peer_heads_ok(build: dict[str, Any], heads: int) -> bool:
     return any(r.get("heads") == heads and r.get("ok") for r in build.get("records", []))
 
 
-_FLASHMLA_EXT: dict[str, Any] = {}
+_FLASHMLA_SOURCES: dict[str, Any] = {}
 
 
-def flashmla_ext(build: dict[str, Any]) -> Any:
-    """The FlashMLA extension the build child made (its .so loaded once a process)."""
-    so = next(r["so"] for r in build["records"] if r.get("so"))
-    if so not in _FLASHMLA_EXT:
-        _FLASHMLA_EXT[so] = flashmla.load(so)
-    return _FLASHMLA_EXT[so]
+def flashmla_source(build: dict[str, Any]) -> tuple[str, Any]:
+    """The FlashMLA the build child found (peers.flashmla.open_source of its first record), opened once a process:
+    vLLM's own wrappers, or the harness's extension."""
+    first = next(r for r in build["records"] if r.get("source") or r.get("so"))
+    key = json.dumps({k: first.get(k) for k in ("source", "so")}, sort_keys=True)
+    if key not in _FLASHMLA_SOURCES:
+        _FLASHMLA_SOURCES[key] = flashmla.open_source(first)
+    return _FLASHMLA_SOURCES[key]
 
 
-def make_peer_call(kind: str, build: dict[str, Any], data: Data, heads: int, rows: int, slots: torch.Tensor,
-                   counts: torch.Tensor | list[int], q16: torch.Tensor) -> tuple[Callable[..., torch.Tensor], str]:
-    """A planned peer call (q16 (rows, H, 576) bf16, window index s, out or None) -> its output, and the cache kind it
-    reads. fa3 writes `out`; FlashMLA returns its sliced output view (vLLM's), which the accuracy check copies."""
+def flashmla_route(build: dict[str, Any]) -> str:
+    """Where the FlashMLA peer came from, for the JSON (vLLM's module, or the harness's .so)."""
+    first = next((r for r in build.get("records", []) if r.get("source") or r.get("so")), {})
+    return str(first.get("route") or first.get("so") or "?")
+
+
+def make_peer_calls(kind: str, build: dict[str, Any], data: Data, heads: int, rows: int,
+                    inp: dict[str, Any]) -> tuple[list[Callable[[], Any]], str, dict[str, Any]]:
+    """One planned peer call per input set of `inp` (config_inputs'), the cache kind they read and what the record
+    says about them. fa3: one planned wrapper per slot pool (its plan takes the slots); FlashMLA: one step's
+    metadata for the batch shape, the query padded inside every call as vLLM pads it."""
     family, kv = kind.split("/", 1)
+    sets = len(inp["q16"])
     if family == "flashmla":
-        p = flashmla.FlashMLAPeer(flashmla_ext(build), heads, rows, K, sm_scale=SCALE * Q_SCALE)
-        p.plan(q16, data.window("fp8_ds_mla", 0), slots)  # the scheduler metadata, outside any graph
-
-        def run_fmla(q: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
-            o = p.run(q, data.window("fp8_ds_mla", s), slots)
-            return o if out is None else out.copy_(o)
-        return run_fmla, "fp8_ds_mla"
-    f = fa3.make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE, kv_scale=K_SCALE if kv == "fp8" else 1.0,
-                  device=slots.device)
-    f.plan(slots, counts)
+        source = flashmla_source(build)
+        p = flashmla.make_peer(source, heads, rows, K, sm_scale=SCALE * Q_SCALE, device=inp["slots"].device)
+        p.plan(inp["q16"][0], data.window("fp8_ds_mla", 0), inp["slots"])  # the step's metadata, outside the graph
+        shape = flashmla.vllm_shape(heads, rows)
+        extra = {"impl": (p.describe() if hasattr(p, "describe") else
+                          f"FlashMLA harness, query padded {heads} -> {p.padded} heads"),
+                 "padded_heads": p.padded, "call_shape": list(shape["q"][:2]) + [p.padded],
+                 "vllm_path": shape["path"], "source": source[0]}
+        calls = [lambda s=s: p.run(inp["q16"][s], data.window("fp8_ds_mla", pool_of(s)[1]), set_slots(inp, s))
+                 for s in range(sets)]
+        return calls, "fp8_ds_mla", extra
+    wrappers = []
+    for pool in inp["pools"]:
+        f = fa3.make_peer(kv, heads, rows, K, sm_scale=SCALE * Q_SCALE, kv_scale=K_SCALE if kv == "fp8" else 1.0,
+                          device=pool.device)
+        f.plan(pool, [K] * rows)
+        wrappers.append(f)
     kv_kind = "bf16" if kv == "bf16" else "fp8"
-
-    def run_fa3(q: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        assert out is not None
-        return f.run(q, data.window(kv_kind, s), out)
-    return run_fa3, kv_kind
+    calls = [lambda s=s: wrappers[pool_of(s)[0]].run(inp["q16"][s], data.window(kv_kind, pool_of(s)[1]),
+                                                     inp["outs"][s]) for s in range(sets)]
+    return calls, kv_kind, {}
 
 
 # ---------------------------------------------------------------- sections
 
 
 class Suite:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, device: torch.device | str = "cuda") -> None:
         self.args = args
-        self.device = torch.device("cuda")
+        self.device = torch.device(device)
+        self.repeats = int(getattr(args, "repeats", None) or REPEATS)
+        self.l2 = l2_bytes(self.device)
+        self.ratios: list[dict[str, Any]] = []  # (ours, peer) per point: decode_section's pair_ratio
         self.out_dir = Path(args.out)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.results: list[dict[str, Any]] = []
@@ -354,7 +400,8 @@ class Suite:
         self.t0 = time.perf_counter()
 
     def dump(self) -> None:
-        payload = {"info": self.info, "results": self.results, "accuracy": self.accuracy, "failures": self.failures}
+        payload = {"info": self.info, "results": self.results, "ratios": self.ratios, "accuracy": self.accuracy,
+                   "failures": self.failures}
         if self.prefill is not None:
             payload["prefill"] = self.prefill
         tmp = self.out_dir / "bench_suite.json.tmp"
@@ -373,7 +420,8 @@ class Suite:
             self.failures.append(rec)
             log(f"{self.elapsed()} FAILED {what}: {rec['error']}")
             try:
-                torch.cuda.synchronize()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
             except Exception:  # a sticky device fault: later steps fail on their own and say so
                 pass
             return None
@@ -382,118 +430,356 @@ class Suite:
         self.results.append(rec)
         log(f"{self.elapsed()} {rec['section']:>7} {rec['kernel']:<22} rows={rec['rows']:<4} H={rec.get('heads', '-'):<4} "
             f"{rec['us']:9.2f} us  {rec.get('tflops', 0):7.1f} TF/s  {rec.get('kv_GBps', 0):7.0f} GB/s  "
-            f"floor {rec.get('floor_us', 0):8.2f} us ({rec.get('of_floor', 0):.2f})")
+            f"floor {rec.get('floor_us', 0):8.2f} us ({rec.get('of_floor', 0):.2f})"
+            + (f"  [{rec['us_min']:.2f}-{rec['us_max']:.2f} over {rec['repeats']}]" if "repeats" in rec else ""))
+
+
+# what each kernel computes with, for the floor: (q bytes a value, compute dtype) by family
+OUR_COMPUTE = {"triton": "fp8qk", "triton-even": "fp8qk", "triton-pv8": "fp8"}
+# the kernel each of ours is compared with the peers as (the ratios table): ours as the core binds it, and the opt-in
+RATIO_OURS = ("triton/fp8", "triton-pv8/fp8")
+
+
+def point_kernels(suite: Suite, data: Data, rows: int, heads: int, kinds: list[str], inp: dict[str, Any],
+                  peer: dict[str, Any] | None) -> dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]]:
+    """The calls (one per input set) of every kernel that runs at (rows, H), with its record's fields: ours as the
+    core binds it per format, each usable peer planned on the same slots and queries. A kernel that fails to build
+    is recorded in suite.failures and left out."""
+    dev = suite.device
+    out: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
+    sets = len(inp["q8"])
+    for kind in kinds:
+        what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
+        if kind.startswith(OUR_FAMILIES):
+            family, fmt = kind.split("/", 1)
+            if family == "triton-pv8" and heads <= FEW_HEADS_MAX:  # the opt-in changes nothing there
+                continue
+
+            def build_ours(fmt: str = fmt, family: str = family) -> dict[str, Any]:
+                call = triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")
+                calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, pool_of(s)[1]), set_slots(inp, s),
+                                          inp["counts"], inp["outs"][s]) for s in range(sets)]
+                return {"calls": calls, "rec": {"fmt": fmt, "impl": call.impl, "q_bytes": 1,
+                                                "compute": OUR_COMPUTE[family], "kv_kind": fmt}}
+
+            built = suite.guarded(what, build_ours)
+        else:
+            if peer is None or not peer.get(kind, {}).get("usable_heads", {}).get(heads, False):
+                continue
+
+            def build_peer(kind: str = kind) -> dict[str, Any]:
+                calls, kv_kind, extra = make_peer_calls(kind, peer[kind], data, heads, rows, inp)
+                return {"calls": calls, "rec": {"fmt": kv_kind, **extra, "q_bytes": 2, "compute": "bf16",
+                                                "kv_kind": kv_kind}}
+
+            built = suite.guarded(what, build_peer)
+        if built is not None:
+            out[kind] = (built["calls"], built["rec"])
+    return out
 
 
 def decode_section(suite: Suite, data: Data, ceil: dict[str, Any], rows_list: tuple[int, ...],
                    heads_list: tuple[int, ...], kinds: list[str], peer: dict[str, Any] | None) -> None:
-    """Every (rows, H) for every kernel: our Triton kernel per format, then the peer per KV dtype."""
+    """Every (rows, H): every kernel (ours per format, each peer) built on the same inputs and captured, then timed
+    in turn, suite.repeats rounds (timing.interleaved_us): each record has the median and the spread of its rounds,
+    and each (ours, peer) pair a ratio (median, min, max over the rounds) with both sides' fraction of their own
+    floor (suite.ratios)."""
     dev = suite.device
     for heads in heads_list:
         for rows in rows_list:
-            sets = n_sets(rows)
-            want_bf16 = peer is not None
-            inp = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=want_bf16)
-            slots, counts = inp["slots"], inp["counts"]
-            for kind in kinds:
+            sets = n_sets(rows, suite.l2)
+            inp = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=peer is not None)
+            built = point_kernels(suite, data, rows, heads, kinds, inp, peer)
+            timers: dict[str, Any] = {}
+            for kind, (calls, _) in built.items():
                 what = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads}
-                if kind.startswith(OUR_FAMILIES):
-                    family, fmt = kind.split("/", 1)
-                    if family == "triton-pv8" and heads <= FEW_HEADS_MAX:  # the opt-in changes nothing there
-                        continue
-
-                    def run_triton(fmt: str = fmt, family: str = family) -> dict[str, Any]:
-                        call = triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")
-                        calls = [lambda s=s: call(inp["q8"][s], data.window(fmt, s), slots, counts, inp["outs"][s])
-                                 for s in range(sets)]
-                        us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
-                        compute = "fp8" if family == "triton-pv8" else "fp8qk"  # P.V on e4m3 there
-                        return {**what, "fmt": fmt, "sets": sets, "impl": call.impl,
-                                **metrics(rows, heads, us, fmt, 1, compute, ceil)}
-
-                    rec = suite.guarded(what, run_triton)
-                else:
-                    if peer is None or not peer.get(kind, {}).get("usable_heads", {}).get(heads, False):
-                        continue
-
-                    def run_peer(kind: str = kind) -> dict[str, Any]:
-                        call, kv_kind = make_peer_call(kind, peer[kind], data, heads, rows, slots, [K] * rows,
-                                                       inp["q16"][0])
-                        calls = [lambda s=s: call(inp["q16"][s], s, inp["outs"][s] if kv_kind != "fp8_ds_mla"
-                                                  else None) for s in range(sets)]
-                        us = cuda_graph_time_us(calls, reps_time_s=suite.args.reps_time)
-                        extra = {}
-                        if kind == FLASHMLA_KIND:  # as vLLM: the query padded to the kernel's 64 / 128 heads
-                            extra = {"impl": f"FlashMLA sparse_decode_fwd, query padded {heads} -> "
-                                             f"{flashmla.padded_heads(heads)} heads (q.new_zeros + copy, as vLLM)"}
-                        return {**what, "fmt": kv_kind, "sets": sets, **extra,
-                                **metrics(rows, heads, us, kv_kind, 2, "bf16", ceil)}
-
-                    rec = suite.guarded(what, run_peer)
-                if rec is not None:
-                    suite.record(rec)
-            del inp
+                timer = suite.guarded(what, lambda calls=calls: make_timer(calls, dev))
+                if timer is not None:
+                    timers[kind] = timer
+            times: dict[str, list[float]] = {}
+            if timers:
+                what = {"section": "decode", "kernel": "+".join(timers), "rows": rows, "heads": heads}
+                times = suite.guarded(what, lambda: interleaved_us(timers, suite.repeats,
+                                                                   reps_time_s=suite.args.reps_time)) or {}
+            for timer in timers.values():
+                timer.close()
+            recs: dict[str, dict[str, Any]] = {}
+            for kind, values in times.items():
+                info = built[kind][1]
+                st = spread(values)
+                rec = {"section": "decode", "kernel": kind, "rows": rows, "heads": heads, "sets": sets,
+                       "pools": len(inp["pools"]), "repeats": len(values),
+                       **{k: v for k, v in info.items() if k not in ("q_bytes", "compute", "kv_kind")},
+                       **metrics(rows, heads, st["us"], info["kv_kind"], info["q_bytes"], info["compute"], ceil,
+                                 heads_run=info.get("padded_heads")),
+                       **st}
+                rec["replay_bytes"] = sets * rows * K * ROW_BYTES[info["kv_kind"]]
+                recs[kind] = rec
+                suite.record(rec)
+            for ours in RATIO_OURS:
+                for kind in recs:
+                    if ours in recs and not kind.startswith(OUR_FAMILIES):
+                        suite.ratios.append(pair_ratio(recs[ours], recs[kind]))
+                        r = suite.ratios[-1]
+                        log(f"{' ' * 9}{ours} / {kind} = {r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]"
+                            f"; of own floor {r['ours_of_floor']:.2f} vs {r['peer_of_floor']:.2f}")
+            del inp, built, timers
         suite.dump()
 
 
-def accuracy_section(suite: Suite, data: Data, sizes: tuple[tuple[int, int], ...], kinds: list[str],
+def warm_ours(suite: Suite, data: Data, rows_list: tuple[int, ...], heads_list: tuple[int, ...],
+              ours: list[str]) -> None:
+    """One eager call of each of our kernels at every point (Triton compiles it), while the peers build: the
+    decode section then starts on warm kernels. Failures are left for the decode section to record."""
+    dev = suite.device
+    for heads in heads_list:
+        for rows in rows_list:
+            inp = config_inputs(rows, heads, 1, dev, data.base_rows, bf16=False)
+            for kind in ours:
+                family, fmt = kind.split("/", 1)
+                if family == "triton-pv8" and heads <= FEW_HEADS_MAX:
+                    continue
+                try:
+                    triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
+                        inp["q8"][0], data.window(fmt, 0), inp["slots"], inp["counts"], inp["outs"][0])
+                except Exception:  # noqa: BLE001 - recorded where it is measured
+                    pass
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"{suite.elapsed()} ours compiled at every point")
+
+
+def pair_ratio(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Our time over the peer's at one point: the median of the per-round ratios (the rounds took both in turn) and
+    their range, each side's median µs and fraction of its own floor (ours: 576 B rows and an e4m3 query; FlashMLA:
+    656 B rows, BF16 query, the padded heads it runs; fa3: its cache's rows, BF16 query)."""
+    per_round = [a / b for a, b in zip(ours["us_repeats"], peer["us_repeats"])]
+    return {"rows": ours["rows"], "heads": ours["heads"], "ours": ours["kernel"], "peer": peer["kernel"],
+            "ratio": round(float(statistics.median(per_round)), 4), "ratio_min": round(min(per_round), 4),
+            "ratio_max": round(max(per_round), 4), "ours_us": ours["us"], "peer_us": peer["us"],
+            "ours_of_floor": ours["of_floor"], "peer_of_floor": peer["of_floor"],
+            "ours_spread": ours["spread"], "peer_spread": peer["spread"]}
+
+
+# ---------------------------------------------------------------- accuracy
+
+# The error each kernel's formats allow against float32 on the BF16 source values, from the rounding they do to
+# this very data. out = sum_j p_j v_j: the query's and keys' rounding moves each logit by d_j = softmax_scale *
+# (q^.k^_j - q.k_j), measured here (eps_r: its rms about each head's mean over row r's heads and selections: a shift
+# common to a head's logits cancels in the softmax), which moves row r's output by
+# about eps_r of its own norm; the values' rounding (u_v: the selected latent rows' rel L2 change, measured), P's
+# rounding before P.V (u_p, the format's rms: 2^-(m+1) / sqrt(3) for m mantissa bits) and the output's BF16 rounding
+# add in quadrature, and the rows weigh by their reference norm as in the rel L2:
+#   predicted^2 = sum_r |ref_r|^2 (eps_r^2 + u_v^2 + u_p^2 + u_out^2) / sum_r |ref_r|^2;   tolerance = 2 x predicted.
+E4M3_U = 2.0**-4 / math.sqrt(3.0)  # 3 mantissa bits
+BF16_U = 2.0**-8 / math.sqrt(3.0)  # 7 mantissa bits
+FP16_U = 2.0**-11 / math.sqrt(3.0)  # 10 mantissa bits
+P_ROUNDING = {"triton": FP16_U, "triton-even": FP16_U, "triton-pv8": E4M3_U, "fa3": BF16_U, "flashmla": BF16_U}
+HOLDS = {
+    "triton/fp8": "e4m3 rows (per-tensor amax / 448 scale) + e4m3 query (amax / 448), fp16 P",
+    "triton-even/fp8": "e4m3 rows (per-tensor amax / 448 scale) + e4m3 query (amax / 448), fp16 P",
+    "triton-pv8/fp8": "e4m3 rows + e4m3 query (amax / 448 scales), P rounded to e4m3 before P.V",
+    "triton/nvfp4_ds_mla": "nvfp4_ds_mla rows (e2m1 latent, e4m3 block scales and RoPE) + e4m3 query",
+    "flashmla/fp8_ds_mla": "fp8_ds_mla rows (e4m3 latent, vLLM's power-of-two fp32 tile scales, BF16 RoPE) + BF16 "
+                           "query, BF16 P",
+    "fa3/bf16": "BF16 rows and query (the source's own values), BF16 P",
+    "fa3/fp8": "e4m3 rows (per-tensor amax / 448 scale) + BF16 query, BF16 P",
+}
+
+
+def held_values(kind: str, src: dict[str, Any], qz: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query, rows) as `kind` computes with them, in float32: the source after that kernel's quantization."""
+    from vllm_kimi_dsa.formats import dequantize_rows
+
+    family, fmt = kind.split("/", 1)
+    if family in OUR_FAMILIES:
+        q = qz["q8"].float() * qz["q_scale"]
+        rows = qz["fp8"].float() * qz["k_scale"] if fmt == "fp8" else dequantize_rows(qz[fmt], fmt)
+        return q, rows
+    if family == "flashmla":
+        return src["q"].float(), flashmla.dequantize_fp8_ds_mla(qz["fp8_ds_mla"])
+    return src["q"].float(), (src["kv"].float() if fmt == "bf16" else qz["fp8"].float() * qz["k_scale"])
+
+
+def rounding_errors(src: dict[str, Any], q_held: torch.Tensor, rows_held: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, float]:
+    """(eps (rows,), u_v) of one quantization of the source: each row's rms logit change softmax_scale * (q^.k^ -
+    q.k) about each head's mean over its valid selections, and the selected latent rows' rel L2 change."""
+    slots, counts = src["slots"], src["counts"]
+    valid = (torch.arange(slots.shape[1], device=slots.device) < counts.unsqueeze(1)) & (slots >= 0)
+    ids = slots.clamp(min=0).long()
+    k, kh = src["kv"].float()[ids], rows_held[ids]  # (rows, K, 576)
+    d = torch.einsum("rhd,rkd->rhk", q_held, kh) - torch.einsum("rhd,rkd->rhk", src["q"].float(), k)
+    live = valid.unsqueeze(1).expand_as(d).float()
+    n = live.sum(dim=2, keepdim=True).clamp(min=1)
+    d = (d - (d * live).sum(dim=2, keepdim=True) / n) * live  # a shift common to a row's logits changes nothing
+    eps = scale * d.pow(2).sum(dim=(1, 2)).div(n.sum(dim=(1, 2))).sqrt()
+    m = valid.unsqueeze(-1)
+    num = (kh - k)[..., :LATENT_DIM].masked_select(m).norm()
+    den = k[..., :LATENT_DIM].masked_select(m).norm()
+    return eps, float(num / den)
+
+
+def tolerance_of(kind: str, eps_rows: torch.Tensor, u_v: float, ref: torch.Tensor) -> dict[str, Any]:
+    """The predicted rel L2 of `kind` from its measured rounding of the data (rounding_errors) with the rows weighed
+    by the reference's norm (ref (rows, H, 512)), its tolerance (twice that), and why."""
+    u_p = P_ROUNDING[kind.split("/", 1)[0]]
+    w = ref.float().pow(2).sum(dim=(1, 2))
+    w = w / w.sum().clamp(min=1e-30)
+    eps = float((w * eps_rows.to(w.device).pow(2)).sum().sqrt())
+    predicted = math.sqrt(eps**2 + u_v**2 + u_p**2 + BF16_U**2)
+    return {"predicted": round(predicted, 5), "tolerance": round(2 * predicted, 5),
+            "rounding": {"logits_rms": round(eps, 5), "values_rel_l2": round(u_v, 5), "p_rms": round(u_p, 6)},
+            "tolerance_why": (f"{HOLDS.get(kind, kind)}: its rounding of this data moves the logits by {eps:.3g} rms "
+                              f"and the latent rows by {u_v:.3g} (rel L2), P by {u_p:.2g}, the BF16 output by "
+                              f"{BF16_U:.2g}: predicted rel L2 {predicted:.3g} (their quadrature sum), tolerance 2x")}
+
+
+PV_RULE = 1.05  # FP8 P.V may be the default only where its error stays within 5% of the BF16 P.V error everywhere
+ACCURACY_ROWS = 1 << 17  # cache rows of the accuracy data (a multiple of 64: FlashMLA's pages)
+OUTLIER_DIMS = list(range(0, LATENT_DIM, 64))  # latent channels 4x the others in the accuracy data
+
+
+def accuracy_inputs(rows: int, heads: int, device: torch.device, num_rows: int | None = None) -> dict[str, Any]:
+    """BF16 source data on no quantized format's grid: rows N(0, 1) with 8 outlier latent channels x 4 (they set the
+    per-tensor amax scale, as outlier channels of real caches do), a BF16 query N(0, 1) (logits spread ~2); ragged
+    counts in [1, K] (row 0 full, row 1 one
+    entry), -1 holes (10%) inside the counts and -1 past them. Each kernel then quantizes the source its own way."""
+    num_rows = ACCURACY_ROWS if num_rows is None else num_rows
+    g = torch.Generator(device=device).manual_seed(rows * 31 + heads)
+    x = torch.randn((num_rows, HEAD_DIM), device=device, generator=g)
+    x[:, OUTLIER_DIMS] *= 4.0
+    kv = x.to(torch.bfloat16)
+    q = torch.randn((rows, heads, HEAD_DIM), device=device, generator=g).to(torch.bfloat16)
+    slots = torch.stack([torch.randperm(num_rows, device=device, generator=g)[:K] for _ in range(rows)]).int()
+    counts = torch.randint(1, K + 1, (rows,), dtype=torch.int32, device=device, generator=g)
+    counts[0] = K
+    if rows > 1:
+        counts[1] = 1
+    pos = torch.arange(K, device=device)
+    hole = (torch.rand((rows, K), device=device, generator=g) < 0.1) & (pos > 0)
+    slots = torch.where(hole | (pos >= counts.unsqueeze(1)), torch.full_like(slots, -1), slots)
+    return {"kv": kv, "q": q, "slots": slots.contiguous(), "counts": counts}
+
+
+def compacted(slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, counts) with each row's valid entries (inside its count, not -1) first in their order, -1 after, and
+    their number: what a page-table peer (fa3) takes for the same selection."""
+    valid = (torch.arange(slots.shape[1], device=slots.device) < counts.unsqueeze(1)) & (slots >= 0)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    packed = torch.where(valid.gather(1, order), slots.gather(1, order), torch.full_like(slots, -1))
+    return packed.contiguous(), valid.sum(dim=1).to(torch.int32)
+
+
+def quantized(src: dict[str, Any], want: set[str]) -> dict[str, Any]:
+    """The source as each kernel's format holds it: per-tensor e4m3 rows and query with amax scales (ours, fa3's
+    fp8), nvfp4_ds_mla rows, fp8_ds_mla rows (vLLM's writer's tile scales)."""
+    kv = src["kv"].float()
+    out: dict[str, Any] = {}
+    k_scale = float(kv.abs().amax()) / 448.0
+    q_scale = float(src["q"].float().abs().amax()) / 448.0
+    out["k_scale"], out["q_scale"] = k_scale, q_scale
+    out["fp8"] = (kv / k_scale).to(torch.float8_e4m3fn)
+    out["q8"] = (src["q"].float() / q_scale).to(torch.float8_e4m3fn)
+    if "nvfp4_ds_mla" in want:
+        out["nvfp4_ds_mla"] = pack_nvfp4(kv)
+    if "fp8_ds_mla" in want:
+        out["fp8_ds_mla"] = flashmla.quantize_fp8_ds_mla(src["kv"])
+    return out
+
+
+def accuracy_section(suite: Suite, sizes: tuple[tuple[int, int], ...], kinds: list[str],
                      peer: dict[str, Any] | None) -> None:
-    """rel L2 error of every kernel vs reference_decode (float32), ragged counts, -1 past each count."""
-    from vllm_kimi_dsa.reference import reference_decode
+    """rel L2 of every kernel against float32 on the BF16 source values (accuracy_inputs), each kernel on its own
+    quantization (quantized), with its tolerance (TOLERANCE) and, where it quantizes, its error against float32 on
+    the values it holds (its own arithmetic alone); then the FP8 P.V default rule (PV_RULE) over every size."""
+    from vllm_kimi_dsa.reference import reference_decode, source_reference_decode
 
     dev = suite.device
     for rows, heads in sizes:
-        inp = error_inputs(rows, heads, dev, data.base_rows)
-        refs: dict[str, torch.Tensor] = {}
-        for fmt in ("fp8", "nvfp4_ds_mla"):
-            sm, osc = scales(fmt)
-            refs[fmt], _ = reference_decode(inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], fmt=fmt,
-                                            softmax_scale=sm, output_scale=osc)
-        for kind in kinds + ["torch/fp8"]:
+        src = accuracy_inputs(rows, heads, dev)
+        fmts = {k.split("/", 1)[1] for k in kinds}
+        qz = quantized(src, fmts)
+        ref, _ = source_reference_decode(src["q"].float(), src["kv"], src["slots"], src["counts"],
+                                         softmax_scale=SCALE, output_scale=1.0)
+        for kind in kinds:
             what = {"section": "accuracy", "kernel": kind, "rows": rows, "heads": heads}
-            out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
 
-            def check(kind: str = kind, out: torch.Tensor = out) -> dict[str, Any] | None:
+            def check(kind: str = kind) -> dict[str, Any] | None:
                 family, fmt = kind.split("/", 1)
+                out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=dev)
+                own = None
                 if family in OUR_FAMILIES:
                     if family == "triton-pv8" and heads <= FEW_HEADS_MAX:
                         return None
-                    triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8")(
-                        inp["q8"], data.window(fmt, 0), inp["slots"], inp["counts"], out)
-                    ref = refs[fmt]
-                elif family == "torch":
-                    torch_decode(inp["q16"], data.window("fp8", 0), inp["slots"], inp["counts"], out)
-                    ref = refs["fp8"]
+                    if fmt == "fp8":
+                        sc = (SCALE * qz["q_scale"] * qz["k_scale"], qz["k_scale"])
+                    else:
+                        sc = (SCALE * qz["q_scale"], 1.0)
+                    triton_kernel(fmt, heads, rows, dev, family != "triton-even", family == "triton-pv8",
+                                  kernel_scales=sc)(qz["q8"], qz[fmt], src["slots"], src["counts"], out)
+                    own, _ = reference_decode(qz["q8"], qz[fmt], src["slots"], src["counts"], fmt=fmt,
+                                              softmax_scale=sc[0], output_scale=sc[1])
+                    held = f"{fmt} rows + e4m3 query (k_scale {qz['k_scale']:.3g}, q_scale {qz['q_scale']:.3g})"
                 else:
                     if peer is None or not peer.get(kind, {}).get("usable_heads", {}).get(heads, False):
                         return None
-                    call, _ = make_peer_call(kind, peer[kind], data, heads, rows, inp["slots"], inp["counts"].cpu(),
-                                             inp["q16"])
-                    call(inp["q16"], 0, out)
-                    ref = refs["fp8"]
-                torch.cuda.synchronize()
+                    if family == "flashmla":
+                        p = flashmla.make_peer(flashmla_source(peer[kind]), heads, rows, K, sm_scale=SCALE,
+                                               device=dev)
+                        out.copy_(p.run(src["q"], qz["fp8_ds_mla"], src["slots"]))
+                        rows_held = flashmla.dequantize_fp8_ds_mla(qz["fp8_ds_mla"])
+                        own, _ = source_reference_decode(src["q"].float(), rows_held, src["slots"], src["counts"],
+                                                         softmax_scale=SCALE, output_scale=1.0)
+                        held = "fp8_ds_mla rows (vLLM's tile scales) + BF16 query"
+                    else:
+                        f = fa3.make_peer(fmt, heads, rows, K, sm_scale=SCALE,
+                                          kv_scale=qz["k_scale"] if fmt == "fp8" else 1.0, device=dev)
+                        f.plan(*compacted(src["slots"], src["counts"]))  # a page table holds no -1
+                        f.run(src["q"], src["kv"] if fmt == "bf16" else qz["fp8"], out)
+                        held = "BF16 rows + BF16 query (the source)" if fmt == "bf16" else \
+                            f"fp8 rows (k_scale {qz['k_scale']:.3g}) + BF16 query"
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 o = out.float()
                 err = float((o - ref).norm() / ref.norm())
+                tol = tolerance_of(kind, *rounding_errors(src, *held_values(kind, src, qz), SCALE), ref)
                 rec = {**what, "rel_l2": err, "max_abs": float((o - ref).abs().max()),
-                       "nonfinite": int((~torch.isfinite(o)).sum())}
-                more = ""
-                if fmt == "nvfp4_ds_mla":  # also against the fp8 rows it was packed from (its own rounding shows)
-                    rec["rel_l2_source"] = float((o - refs["fp8"]).norm() / refs["fp8"].norm())
-                    more = f" (vs the rows it was packed from {rec['rel_l2_source']:.3e})"
-                log(f"{suite.elapsed()} accuracy {kind:<22} rows={rows:<4} H={heads:<4} rel L2 {err:.3e}{more}")
+                       "nonfinite": int((~torch.isfinite(o)).sum()), **tol,
+                       "within_tolerance": bool(err <= tol["tolerance"] and torch.isfinite(o).all()), "holds": held,
+                       "against": "float32 on the BF16 source values"}
+                tol = tol["tolerance"]
+                if own is not None:
+                    rec["rel_l2_own"] = float((o - own).norm() / own.norm())
+                log(f"{suite.elapsed()} accuracy {kind:<22} rows={rows:<4} H={heads:<4} rel L2 {err:.3e} "
+                    f"(tolerance {tol:.2e}{'' if rec['within_tolerance'] else ' EXCEEDED'})"
+                    + (f"; vs its own values {rec['rel_l2_own']:.3e}" if own is not None else ""))
                 return rec
 
             rec = suite.guarded(what, check)
             if rec is not None:
                 suite.accuracy.append(rec)
-        del inp, refs
+        del src, qz, ref
+    suite.info["fp8_pv_default"] = fp8_pv_decision(suite.accuracy)
     suite.dump()
+
+
+def fp8_pv_decision(accuracy: list[dict[str, Any]]) -> dict[str, Any]:
+    """The FP8 P.V default from one run's accuracy: default-able only where, at every size both ran, its error
+    (triton-pv8/fp8) stays within PV_RULE x the BF16 P.V error (triton/fp8); else it stays opt-in."""
+    fp8 = {(a["rows"], a["heads"]): a["rel_l2"] for a in accuracy if a["kernel"] == "triton/fp8"}
+    pv8 = {(a["rows"], a["heads"]): a["rel_l2"] for a in accuracy if a["kernel"] == "triton-pv8/fp8"}
+    shapes = [{"rows": r, "heads": h, "bf16_pv": fp8[r, h], "fp8_pv": pv8[r, h], "over": round(pv8[r, h] / fp8[r, h], 4),
+               "ok": pv8[r, h] <= PV_RULE * fp8[r, h]} for (r, h) in sorted(set(fp8) & set(pv8))]
+    ok = bool(shapes) and all(x["ok"] for x in shapes)
+    return {"rule": f"FP8 P.V's rel L2 <= {PV_RULE} x BF16 P.V's at every size", "shapes": shapes,
+            "default_ok": ok, "verdict": ("may be the default" if ok else "stays opt-in") if shapes else "not measured"}
 
 
 def torch_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[tuple[int, int], ...]) -> None:
     dev = suite.device
     for rows, heads in sizes:
-        sets = min(n_sets(rows), 8)  # the baseline's gathered copy is itself far larger than L2
+        sets = min(n_sets(rows, suite.l2), 8)  # the baseline's gathered copy is itself far larger than L2
         inp = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=True)
         what = {"section": "torch", "kernel": "torch/fp8->bf16", "rows": rows, "heads": heads}
 
@@ -563,7 +849,7 @@ def fused_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[t
 
     dev = suite.device
     for rows, heads in sizes:
-        sets = n_sets(rows)
+        sets = n_sets(rows, suite.l2)
         inp = convert_inputs(rows, sets, dev, data.base_rows)
         qin = config_inputs(rows, heads, sets, dev, data.base_rows, bf16=False)
         what = {"section": "fused", "kernel": "convert+triton/fp8", "rows": rows, "heads": heads}
@@ -574,12 +860,14 @@ def fused_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[t
             def both(s: int) -> None:
                 convert_topk(inp["topk"][s], inp["req"], inp["bt"], block_size=BLOCK, rows_per_block_stride=BLOCK,
                              slots=inp["slots"][s], counts=inp["counts"][s])
-                call(qin["q8"][s], data.window("fp8", s), inp["slots"][s], inp["counts"][s], qin["outs"][s])
+                call(qin["q8"][s], data.window("fp8", pool_of(s)[1]), inp["slots"][s], inp["counts"][s],
+                     qin["outs"][s])
 
             us_both = cuda_graph_time_us([lambda s=s: both(s) for s in range(sets)], reps_time_s=suite.args.reps_time)
             us_dec = cuda_graph_time_us(
-                [lambda s=s: call(qin["q8"][s], data.window("fp8", s), inp["slots"][s], inp["counts"][s],
-                                  qin["outs"][s]) for s in range(sets)], reps_time_s=suite.args.reps_time)
+                [lambda s=s: call(qin["q8"][s], data.window("fp8", pool_of(s)[1]), inp["slots"][s],
+                                  inp["counts"][s], qin["outs"][s]) for s in range(sets)],
+                reps_time_s=suite.args.reps_time)
             m = metrics(rows, heads, us_both, "fp8", 1, "fp8qk", ceil)
             return {**what, "fmt": "fp8", "sets": sets, **m, "decode_us": round(us_dec, 3),
                     "convert_overhead_us": round(us_both - us_dec, 3)}
@@ -593,6 +881,20 @@ def fused_section(suite: Suite, data: Data, ceil: dict[str, Any], sizes: tuple[t
 
 
 # ---------------------------------------------------------------- summary
+
+
+def ratio_table(ratios: list[dict[str, Any]]) -> str:
+    """One line per (ours, peer, H): at each rows, our time over the peer's (median of the rounds [min-max]) and
+    each side's fraction of its own floor."""
+    lines = []
+    for key in sorted({(r["ours"], r["peer"], r["heads"]) for r in ratios}, key=lambda k: (-k[2], k[0], k[1])):
+        ours, peer, heads = key
+        cells = [f"{r['rows']}: {r['ratio']:.2f} [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] "
+                 f"({r['ours_of_floor']:.2f} vs {r['peer_of_floor']:.2f})"
+                 for r in sorted((r for r in ratios if (r["ours"], r["peer"], r["heads"]) == key),
+                                 key=lambda r: r["rows"])]
+        lines.append(f"H={heads} {ours} / {peer} (of own floor): " + "; ".join(cells))
+    return "\n".join(lines)
 
 
 def summary_table(results: list[dict[str, Any]], rows_show: tuple[int, ...] = (1, 5, 20, 80, 320)) -> str:
@@ -667,7 +969,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"the suite's sections to run (default {','.join(SECTIONS)})")
     ap.add_argument("--rows", type=cli_types.batch_sizes, default=None, help="override the batch sizes, comma-separated")
     ap.add_argument("--heads", type=cli_types.head_counts, default=None, help="override the head counts, comma-separated")
-    ap.add_argument("--reps-time", type=_positive_float, default=None, help="seconds of graph replays per point")
+    ap.add_argument("--reps-time", type=_positive_float, default=None,
+                    help="seconds of graph replays per timing of a kernel at a point")
+    ap.add_argument("--repeats", type=cli_types.at_least_one, default=REPEATS,
+                    help=f"timings of every kernel at a point, taken in turn with the others' (default {REPEATS})")
     ap.add_argument("--even", action="store_true",
                     help="also triton-even/fp8: the same kernel objects planned without lead plans (an A/B)")
 
@@ -716,7 +1021,10 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         ok, why = flashmla.available(args.flashmla)
         if ok:
             peer_kinds.append(FLASHMLA_KIND)
-            flashmla_note = f"FlashMLA sparse_decode_fwd from {why} (query padded to 64 / 128 heads, as vLLM)"
+            flashmla_note = (f"FlashMLA's sparse FP8 decode from {why}: vLLM 0.33's _flashmla_C through its own "
+                             "wrappers" if why == flashmla.SOURCE_VLLM else f"FlashMLA harness {why}") + \
+                " (called as FlashMLASparseImpl: (1, T, H) mixed batch below 32 heads, else (rows, 1, H); query " \
+                "padded to 64 / 128 heads in every call)"
         else:
             flashmla_note = f"skipped: {why}"
             log(f"peer flashmla: {flashmla_note}")
@@ -727,8 +1035,11 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     if want_prefill and "flashmla" in peers:
         prefill_build, prefill_note = bench_prefill.start_peer_build(args.flashmla_prefill, prefill_heads)
     decode_data = bool(set(args.sections) - {"prefill"})  # --sections prefill alone: no decode data, no decode peers
-    builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True),
-                        str(flashmla.harness_dir(args.flashmla)) if FLASHMLA_KIND in peer_kinds else None) \
+    fmla_where = None
+    if FLASHMLA_KIND in peer_kinds:
+        fmla_where = "auto" if flashmla.available(args.flashmla)[1] == flashmla.SOURCE_VLLM else \
+            str(flashmla.harness_dir(args.flashmla))
+    builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True), fmla_where) \
         if peer_kinds and decode_data else None
 
     import triton
@@ -741,7 +1052,11 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
             timespec="seconds"), "argv": sys.argv[1:], "quick": args.quick, "K": K, "block_size": BLOCK,
         "scales": {"scale": SCALE, "q_scale": Q_SCALE, "k_scale": K_SCALE},
-        "timing": "CUDA graph over `sets` input sets (queries, outputs, cache windows), median replay / sets",
+        "timing": "CUDA graph over `sets` input sets (queries, outputs, cache windows; past 64 sets more slot "
+                  "pools), one replay reading > 2x the device's L2; every kernel at a point captured, then timed in "
+                  "turn `repeats` rounds (median replay / sets each); us = median of the rounds, us_min / us_max / "
+                  "us_iqr their spread; ratios: per-round ours / peer",
+        "repeats": suite.repeats, "l2_bytes": suite.l2,
         "floor": "max((KV + query + latent bytes) / copy_GBps, flops / matmul rate of the kernel's compute dtype: "
                  "triton = Q.K at the FP8 rate + P.V at the BF16 rate; peers and torch = BF16)",
         "tflops": "2*rows*H*K*(576+512)/t", "kv_GBps": "rows*K*row_bytes/t",
@@ -763,8 +1078,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
 
     ours = ["triton/fp8", "triton/nvfp4_ds_mla", "triton-pv8/fp8"] + (["triton-even/fp8"] if args.even else [])
     sections = set(args.sections)
-    if "decode" in sections:
-        decode_section(suite, data, ceil, rows_list, heads_list, ours, None)
+    # the sections without peers first, while the peers build
     if not args.quick and "torch" in sections:
         torch_section(suite, data, ceil, TORCH_SIZES)
     if "convert" in sections:
@@ -774,7 +1088,9 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
 
     peer: dict[str, Any] | None = None
     kinds = list(ours)
-    if builds is not None:
+    if builds is not None:  # every kernel of a point is timed in turn with the others: the peers must be ready
+        if "decode" in sections:  # meanwhile compile ours at every point (one eager call each)
+            warm_ours(suite, data, rows_list, heads_list, ours)
         log(f"{suite.elapsed()} waiting for the peer builds")
         b = builds.wait()
         peer = {}
@@ -787,14 +1103,16 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         suite.info["peer_builds"] = json.loads(json.dumps(suite.info["peer_builds"], default=str))
         suite.dump()
         peer_kinds_ok = [kind for kind in peer if any(peer[kind]["usable_heads"].values())]
-        if "decode" in sections:
-            decode_section(suite, data, ceil, rows_list, heads_list, peer_kinds_ok, peer)
+        if FLASHMLA_KIND in peer:
+            suite.info["flashmla_route"] = flashmla_route(peer[FLASHMLA_KIND])
         kinds += peer_kinds_ok
+    if "decode" in sections:
+        decode_section(suite, data, ceil, rows_list, heads_list, kinds, peer)
     if "accuracy" in sections:
         sizes = QUICK_ERROR_SIZES if args.quick else ERROR_SIZES
         if args.heads is not None:  # the error sizes of the head counts asked for
             sizes = tuple(sz for sz in sizes if sz[1] in heads_list) or sizes[:1]
-        accuracy_section(suite, data, sizes, kinds, peer)
+        accuracy_section(suite, sizes, kinds, peer)
 
     if want_prefill:
         reps, warmup = (5, 1) if args.quick else (10, 2)
@@ -805,10 +1123,14 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     suite.info["wall_s"] = round(time.perf_counter() - suite.t0, 1)
     suite.dump()
     log(summary_table(suite.results))
+    log(ratio_table(suite.ratios))
     if suite.prefill is not None:
         log(bench_prefill.prefill_table(suite.prefill))
     for a in suite.accuracy:
-        log(f"accuracy {a['kernel']:<22} rows={a['rows']:<4} H={a['heads']:<4} rel L2 {a['rel_l2']:.2e}")
+        log(f"accuracy {a['kernel']:<22} rows={a['rows']:<4} H={a['heads']:<4} rel L2 {a['rel_l2']:.2e} "
+            f"(tolerance {a['tolerance']:.2e}: {'ok' if a['within_tolerance'] else 'EXCEEDED'})")
+    if "fp8_pv_default" in suite.info:
+        log(f"FP8 P.V: {suite.info['fp8_pv_default']['verdict']} ({suite.info['fp8_pv_default']['rule']})")
     failed = len(suite.failures) + len(suite.prefill["failures"] if suite.prefill else [])
     log(f"failures: {failed}; wall {suite.info['wall_s']} s; wrote {suite.out_dir / 'bench_suite.json'}")
     return 0 if not failed else 1

@@ -55,8 +55,10 @@ def split_cost(rows: int, head_blocks: int, tiles: int, splits: int, cfg: Config
 # (and choose_plan asks best_splits again for each wave count), so they are worked out once a process.
 @functools.lru_cache(maxsize=1 << 16)
 def best_splits(rows: int, head_blocks: int, tiles: int, cfg: Config, slots_per_wave: int) -> tuple[int, float]:
+    """(splits, cost) of the cheapest even split of every row, up to one tile a split (the combine takes any count:
+    kernels.common.combine walks more than 64 splits in chunks)."""
     best, best_cost = 1, float("inf")
-    for splits in range(1, min(tiles, 64) + 1):
+    for splits in range(1, tiles + 1):
         cost, used = split_cost(rows, head_blocks, tiles, splits, cfg, slots_per_wave)
         if cost < best_cost - 1e-9:
             best, best_cost = used, cost

@@ -13,7 +13,10 @@ softmax_scale, topk_length=counts, out=padded_out)`; the first H heads are then 
 Below 32 heads a rank (MIN_HEADS_FOR_BF16_PREFILL) vLLM does not run this kernel: the whole batch goes through
 FlashMLA's FP8 sparse decode kernel ("mixed batch"); the suite still times this one there, padded to 64 heads.
 
-Two builds of the kernel, found by `find_peer`:
+Builds of the kernel, the first that is here:
+- vLLM 0.33's own `_flashmla_C` from the vLLM pack (tools/device_run.sh --vllm .carry/vllm_flashmla), called through
+  vLLM's `flash_mla_sparse_fwd` wrapper (peers.flashmla.vllm_ops), `out=` given as vLLM gives it: the default;
+  nothing is built then;
 - FlashMLA 9241ae3 compiled here (benchmarks/peers/flashmla_prefill/prepare.sh: sm_90a objects + the API generated
   from FlashMLA's sparse_fwd.h into .carry/flashmla_prefill/, with its build_ext.py), linked against the running
   torch by that build_ext.py (run as a child);
@@ -37,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_kimi_dsa.bench.peers import CARRY, load_extension, run_build_script
+from vllm_kimi_dsa.bench.peers import CARRY, flashmla as decode_peer, load_extension, run_build_script
 
 D_QK, D_V = 576, 512
 HEAD_PAD = 64  # vLLM's FlashMLASparseImpl.prefill_padding: the BF16 prefill kernel takes 64 or 128 heads
@@ -46,6 +49,19 @@ ENV_SO = "FLASHMLA_PREFILL_SO"  # an extension built earlier (skips the build)
 CARRY_DIR = CARRY / "flashmla_prefill"
 EXT_NAME = "flash_mla_sm90_sparse_prefill"
 VLLM_SO = "vllm_flashmla_C.abi3.so"
+SOURCE_VLLM = "vllm-0.33"  # vLLM's _flashmla_C: from the vLLM pack (route given) or copied beside the harness
+
+
+def vllm_fwd() -> tuple[Callable[..., Any], str]:
+    """vLLM's flash_mla_sparse_fwd as `fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)` and the
+    module it came from (peers.flashmla.vllm_ops); fwd.takes_out: vLLM hands the kernel its padded output buffer."""
+    ops, route = decode_peer.vllm_ops()
+
+    def fwd(q, kv, idx, sm, dv, sink, lens, out=None):
+        return ops.flash_mla_sparse_fwd(q, kv, idx, sm, d_v=dv, attn_sink=sink, topk_length=lens, out=out)
+
+    fwd.takes_out = True  # type: ignore[attr-defined]
+    return fwd, route
 
 
 def harness_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
@@ -113,6 +129,9 @@ class PrefillPeer:
         self.q_padded = (torch.empty((tokens, self.padded, D_QK), dtype=torch.bfloat16, device=device)
                          if self.padded != self.heads else None)
         self.out = torch.empty((tokens, self.heads, D_V), dtype=torch.bfloat16, device=device)  # compact_out
+        # vLLM's padded_out workspace: the kernel writes into it (out=) where the function takes it
+        self.padded_out = (torch.empty((tokens, self.padded, D_V), dtype=torch.bfloat16, device=device)
+                           if getattr(fwd, "takes_out", False) else None)
 
     def run(self, q: torch.Tensor, workspace: torch.Tensor, indices: torch.Tensor,
             counts: torch.Tensor) -> torch.Tensor:
@@ -123,8 +142,11 @@ class PrefillPeer:
             self.q_padded[:, self.heads:].zero_()
             self.q_padded[:, : self.heads] = q
             q = self.q_padded
-        out, _max_logits, _lse = self.fwd(q, workspace.view(-1, 1, D_QK), indices.view(indices.shape[0], 1, -1),
-                                          self.sm_scale, D_V, None, counts)
+        args = (q, workspace.view(-1, 1, D_QK), indices.view(indices.shape[0], 1, -1), self.sm_scale, D_V, None, counts)
+        if self.padded_out is not None:
+            out, _max_logits, _lse = self.fwd(*args, out=self.padded_out)
+        else:
+            out, _max_logits, _lse = self.fwd(*args)
         self.out.copy_(out[:, : self.heads])  # attn_out[chunk.tokens_slice].copy_(chunk_out)
         return self.out
 
@@ -174,6 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     heads = [int(h) for h in args.probe_heads.split(",") if h]
     emit = lambda rec: print(json.dumps(rec), flush=True)  # noqa: E731
     rc = 1
+    # 0) vLLM's own, from the vLLM pack: nothing to build, the kernel vLLM runs
+    if not args.build and decode_peer.vllm_available()[0]:
+        try:
+            fwd, route = vllm_fwd()
+            emit({"step": "build", "ok": True, "source": SOURCE_VLLM, "route": route, "wall_s": 0.0})
+            for h in heads:
+                rec = probe(fwd, h)
+                emit({**rec, "source": SOURCE_VLLM, "route": route})
+                rc = 0 if rec["ok"] and rc != 2 else 2
+            return rc
+        except Exception as err:  # noqa: BLE001 - the harness may still be here
+            emit({"step": "probe", "ok": False, "source": SOURCE_VLLM, "why": f"{type(err).__name__}: {err}"[-800:]})
     # 1) the build of FlashMLA's sources
     ok, where = available(args.build or None)
     if not ok:

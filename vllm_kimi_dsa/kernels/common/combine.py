@@ -1,7 +1,9 @@
 """The split combine: merges each row's split partials (base-2 LSE weights) into the output and natural-log LSE.
 
 Every decode kernel writes its partials as combine_kernel reads them (workspace.PARTIAL_DTYPE, entry (row * splits
-+ split) * H + head).
++ split) * H + head). Up to INLINE_SPLITS splits a row the combine holds every split's dims in its threads at once
+(combine_kernel); past that it walks the splits in chunks of CHUNK_SPLITS (combine_chunks_kernel: one pass for the
+LSE maximum, one for the weighted sum), so a plan may split a row as far as its tiles go.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from vllm_kimi_dsa.kernels.common.workspace import Workspace
 
 LOG2E = 1.4426950408889634  # softmax_scale * LOG2E: the kernels' base-2 logits
 LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE * LN2: the natural-log LSE the contract returns
+INLINE_SPLITS = 64  # at most this many splits a row: every split's dims in registers at once (combine_kernel)
+CHUNK_SPLITS = 32  # past INLINE_SPLITS: splits a step of combine_chunks_kernel's walk
 
 
 @triton.jit
@@ -52,9 +56,55 @@ def merge_partials(part_out_ptr, part_lse_ptr, idx, mask_s, out_ptr, lse_ptr, ro
     tl.store(lse_ptr + row * stride_lse_row + h, lse)
 
 
+@triton.jit
+def combine_chunks_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+    CHUNK: tl.constexpr, D: tl.constexpr,
+):
+    """combine_kernel for any number of splits: CHUNK splits' dims in registers at a time, two passes over the LSEs
+    (their maximum first, so every weight is exp2(lse - max) as in merge_partials)."""
+    h = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.full((), float("-inf"), tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        s = c + offs_c
+        lse2 = tl.load(part_lse_ptr + (row * num_splits + s) * H + h, mask=s < num_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse2, 0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        s = c + offs_c
+        live = s < num_splits
+        idx = (row * num_splits + s) * H + h
+        lse2 = tl.load(part_lse_ptr + idx, mask=live, other=float("-inf"))
+        w = tl.exp2(lse2 - m_use)  # an empty split (lse -inf) weighs 0
+        total += tl.sum(w, 0)
+        o = tl.load(part_out_ptr + idx.to(tl.int64)[:, None] * D + offs_d[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(o * w[:, None], 0)
+    has = total > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
+    tl.store(out_ptr + row * stride_o_row + h * stride_o_head + offs_d, (acc * (inv * out_scale)).to(tl.bfloat16))
+    lse = tl.where(has, (m_use + tl.log2(tl.where(has, total, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + row * stride_lse_row + h, lse)
+
+
 def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, output_scale: float) -> None:
-    """Merge the splits' partials (when there are several) into out and lse_t."""
-    if splits > 1:
+    """Merge the splits' partials (when there are several) into out and lse_t: all at once up to INLINE_SPLITS,
+    in chunks of CHUNK_SPLITS past it."""
+    if splits > INLINE_SPLITS:
+        rows, heads = out.shape[0], out.shape[1]
+        combine_chunks_kernel[(heads, rows)](
+            ws.part_out, ws.part_lse, out, lse_t,
+            heads, splits, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
+            CHUNK=CHUNK_SPLITS, D=LATENT_DIM,
+            num_warps=combine_warps(ws),
+        )
+    elif splits > 1:
         rows, heads = out.shape[0], out.shape[1]
         combine_kernel[(heads, rows)](
             ws.part_out, ws.part_lse, out, lse_t,
