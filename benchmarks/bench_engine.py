@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -244,6 +245,10 @@ def _profile_decode(llm, batch: list[list[int]], params_cls) -> dict[str, Any]:
             "attention_us": attention, "top_kernels": [{"kernel": k[:120], "us": round(v, 1)} for v, k in top]}
 
 
+def _attention_impls(model) -> list[str]:
+    return sorted({f"{type(m.impl).__module__}.{type(m.impl).__name__}" for m in model.modules() if hasattr(m, "impl")})
+
+
 def bench_batch(llm, requests: int, seed: int, params_cls, profile: bool) -> dict[str, Any]:
     import torch
     from vllm.inputs import TokensPrompt
@@ -304,6 +309,12 @@ def worker(args: argparse.Namespace) -> int:
         if args.spec:
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec,
                                             "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")]
+        result["plugins"] = plugins
+        if args.backend == OURS and not any(p.startswith("vllm_kimi_dsa") for p in plugins):
+            raise RuntimeError("vllm_kimi_dsa's vLLM plugin entry point is not installed (pip install the package; "
+                               "on the device, tools/device_run.sh --vllm writes its dist-info): vLLM would run "
+                               "its own FLASHINFER_MLA_SPARSE, which refuses SM90")
         result["stage"] = "engine"
         save()
         start = time.perf_counter()
@@ -313,6 +324,10 @@ def worker(args: argparse.Namespace) -> int:
         result["compilation"] = {"mode": str(config.compilation_config.mode),
                                  "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
                                  "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or [])}
+        try:  # which impl class vLLM built for the attention layers (ours: KimiDSAFlashInferMLASparseImpl)
+            result["attention_impls"] = llm.apply_model(_attention_impls)[0]
+        except Exception as e:  # noqa: BLE001  (reported, not fatal: the startup line also names the backend)
+            result["attention_impls"] = f"unknown ({type(e).__name__}: {e})"[:300]
         result["stage"] = "correctness"
         save()
         # blocks of 37 ids repeated: n-gram speculation finds drafts in them, and every engine gets the same prompts

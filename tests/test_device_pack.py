@@ -157,3 +157,17 @@ def test_vllm_flashmla_ops_import_under_the_device_shims():
     assert set(res["report"]) == {"stable_libtorch", "deep_gemm", "flash_attn", "fused_q_cutedsl"}
     if not res["supported"]:
         assert "_flashmla_C" in res["why"] or "Hopper" in res["why"], res["why"]
+
+
+def test_dist_info_gives_vllm_the_plugin_entry_point(tmp_path):
+    """tools/device_boot/dist_info.py: the package's metadata from pyproject.toml, so importlib.metadata (vLLM's
+    plugin loader) finds the entry point where the package is on PYTHONPATH but not pip-installed (the device)."""
+    done = subprocess.run([sys.executable, "tools/device_boot/dist_info.py", "pyproject.toml", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    import importlib.metadata
+
+    dists = list(importlib.metadata.distributions(path=[str(tmp_path)]))
+    assert [d.metadata["Name"] for d in dists] == ["vllm_kimi_dsa"]
+    (entry,) = [e for e in dists[0].entry_points if e.group == "vllm.general_plugins"]
+    assert entry.value == "vllm_kimi_dsa.vllm_glue:register"

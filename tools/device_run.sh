@@ -50,7 +50,8 @@ VLLM_PACK=${VLLM_PACK:-.carry/vllm}
 vllm_env() {
   local p=$VLLM_PACK id
   if [ -n "${DRY:-}" ]; then
-    echo "unpack $p/vllm_site.tar.xz and $p/vllm_so.tar.xz (if carried) into /tmp/vllm_site unless already there"
+    echo "unpack $p/vllm_site.tar.xz and $p/vllm_so.tar.xz (if carried) into /tmp/vllm_site unless already there;" \
+      "write this package's dist-info (vLLM's plugin entry point) there"
   else
     [ -f $p/vllm_site.tar.xz ] || { echo "no $p/vllm_site.tar.xz: bash tools/pack_vllm.sh here, carry $p"; return 1; }
     id=$(cat $p/vllm_site.tar.xz $p/vllm_so.tar.xz 2>/dev/null | cksum)
@@ -59,6 +60,9 @@ vllm_env() {
       [ ! -f $p/vllm_so.tar.xz ] || tar -xJf $p/vllm_so.tar.xz -C /tmp/vllm_site || return 1
       echo "$id" > /tmp/vllm_site/.pack
     fi
+    # this package's metadata as pip records it (name, version, vLLM's plugin entry point), so vLLM's plugin loader
+    # finds the backend as in an install; the code itself is imported from $ROOT (PYTHONPATH)
+    python3 tools/device_boot/dist_info.py "$ROOT/pyproject.toml" /tmp/vllm_site || return 1
   fi
   export PYTHONPATH=/tmp/vllm_site:$ROOT/tools/device_boot:$PYTHONPATH VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0

@@ -20,7 +20,7 @@ set -eu -o pipefail
 PINS="vllm==0.33.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   pyzmq==27.3.0 cbor2==6.3.0 cachetools==8.0.3 msgspec==0.23.0 pybase64==1.5.1 partial-json-parser==0.2.1.1.post7
   fastapi==0.136.3 starlette==1.10.0 openai==3.63.0 httpx2==2.17.0 sniffio==1.3.1 oss-harmony==0.0.11
-  xgrammar==0.2.8 apache-tvm-ffi==0.1.11 llguidance==1.7.6"
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.11 llguidance==1.7.6 compressed-tensors==0.17.0 loguru==0.7.3"
 SO_DEFAULT="_C_stable_libtorch.abi3.so _flashmla_C.abi3.so _flashmla_extension_C.abi3.so cumem_allocator.abi3.so
   third_party/deep_gemm/_C_extension.abi3.so third_party/deep_gemm/include"
 SO_FLASHMLA="_flashmla_C.abi3.so _flashmla_extension_C.abi3.so"
