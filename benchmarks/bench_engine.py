@@ -167,7 +167,10 @@ def _install_device_shims() -> dict[str, str]:
     return dict(shims.install())
 
 
-def _register_seeded_loader() -> None:
+def _register_seeded_loader() -> type:
+    """Registers (once a process) and returns vLLM's dummy loader under load format "dsa_seeded"."""
+    if "dsa_seeded" in _LOADERS:
+        return _LOADERS["dsa_seeded"]
     import torch
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
@@ -193,6 +196,12 @@ def _register_seeded_loader() -> None:
                         tensor.normal_(0.0, 1.0, generator=gen)
                     else:
                         tensor.normal_(0.0, tensor.shape[-1] ** -0.5, generator=gen)
+
+    _LOADERS["dsa_seeded"] = SeededDummyLoader
+    return SeededDummyLoader
+
+
+_LOADERS: dict[str, type] = {}
 
 
 def _scale_error_hook(factor: float) -> None:

@@ -106,3 +106,28 @@ def test_table_gives_the_ratio_per_point():
             {"backend": be.FLASHMLA, "heads": 128, "requests": 32, "tokens_per_s": 1000.0, "attention_share": 0.5}]
     text = be.table(rows)
     assert "| 128 | 32 | 1500 (0.40) | 1000 (0.50) | 1.50x |" in text
+
+
+def test_seeded_loader_gives_trained_sizes_the_same_in_every_engine():
+    """The 'dsa_seeded' weights: matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1, biases 0, drawn from each
+    tensor's name, so two engines of a run (two processes) hold the same weights; vLLM's own dummy values are +-1e-3."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config.load import LoadConfig
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(64, 256)
+            self.proj = torch.nn.Linear(256, 512)
+            self.norm = torch.nn.LayerNorm(256)
+
+    loader = be._register_seeded_loader()(LoadConfig(load_format="dsa_seeded"))
+    a, b = Toy(), Toy()
+    loader.load_weights(a, None)
+    loader.load_weights(b, None)
+    assert torch.equal(a.proj.weight, b.proj.weight) and torch.equal(a.embed_tokens.weight, b.embed_tokens.weight)
+    assert a.proj.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.05)
+    assert a.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    assert torch.all(a.norm.weight == 1) and torch.all(a.norm.bias == 0) and torch.all(a.proj.bias == 0)
+    assert not torch.equal(a.proj.weight[:256, :256], a.embed_tokens.weight[:64].T.repeat(4, 1)[:256, :64].T[:256])
