@@ -443,3 +443,79 @@ def test_env_docs_cover_every_variable_and_the_readme_lists_them():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for name, (what, values) in envs.DOCS.items():
         assert f"| `{name}` | {what} | {values} |" in readme, f"README's variable table lacks {name}"
+
+
+# ---------------------------------------------------------------- the metadata builder's memory under DCP
+
+
+class _DcpGroup:
+    """What the sparse builder reads of vLLM's DCP group (this process has none of 2 ranks)."""
+
+    world_size = 2
+    rank_in_group = 0
+
+
+def _builder_workspace_requests(monkeypatch, tmp_path, *, capability: int, kv_cache_dtype: str = "fp8",
+                                table: dict | None = None, heads: int = 16, batched: int = 64) -> list[int]:
+    """The bytes vLLM's workspace allocator is asked for while this backend's metadata builder is made under DCP 2
+    (one layer of `heads` heads a TP rank; `table`: a kernel-table file's contents; a Blackwell with prims_ts and
+    trtllm-gen is mocked at capability 10). vLLM's allocator is spied on: its calls are the memory taken."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
+    import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.ops.dcp import MLADCPManager
+
+    from vllm_kimi_dsa.backends.flashinfer.features import FlashInferFeatures
+    from vllm_kimi_dsa.selection import choice, reset_kernel_table_cache
+
+    requests: list[int] = []
+    monkeypatch.setattr(fms, "_get_workspace_buffer", lambda device, min_bytes=None: requests.append(min_bytes))
+    monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True: (2, 0))
+    monkeypatch.setattr(sparse_mla, "get_dcp_group", lambda: _DcpGroup())
+    monkeypatch.setattr(sparse_mla, "PIN_MEMORY", False)
+    # the prefill KV gather's symmetric-memory setup needs a real group of 2; it is not what this test measures
+    monkeypatch.setattr(MLADCPManager, "init_kv_gather", lambda self, *a, **k: None)
+    if capability == 10:
+        monkeypatch.setattr(choice, "_is_blackwell", lambda device: True)
+        monkeypatch.setattr(choice, "_features", lambda: FlashInferFeatures("0.7.4", True, True))
+    if table is not None:
+        path = tmp_path / "table.json"
+        path.write_text(json.dumps(table))
+        monkeypatch.setenv(envs.KERNEL_TABLE, str(path))
+    reset_kernel_table_cache()
+    config = _config(tmp_path, kv_cache_dtype=kv_cache_dtype, dcp=2, tp=2, heads=2 * heads,
+                     max_num_batched_tokens=batched)
+    layer, _ = _layer(config, heads=heads, rows=4, capability=capability)
+    assert layer.impl.dcp_world_size == 2
+    spec = layer.get_kv_cache_spec(config)
+    with vh.gpu_capability(capability), set_current_vllm_config(config):
+        builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    assert builder.dcp_world_size == 2 and builder.supports_draft_decode_metadata_update is False
+    reset_kernel_table_cache()
+    return requests
+
+
+ALL_PRIMS_TS = {"tp": "1-4096:prims_ts", "dcp": "1-4096:prims_ts"}
+
+
+@pytest.mark.parametrize("capability, table", [(9, None), (10, ALL_PRIMS_TS)], ids=["sm90", "sm100-all-prims_ts"])
+def test_dcp_builder_takes_no_trtllm_workspace_where_trtllm_never_runs(monkeypatch, tmp_path, capability, table):
+    """vLLM's builder allocates trtllm-gen's workspace and softmax-stats slab under DCP (394 MiB + 2048 x heads x
+    max_num_batched_tokens bytes) before the first forward. On Hopper no trtllm-gen kernel runs, on Blackwell with a
+    table of prims_ts only neither: zero bytes."""
+    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, table=table) == []
+
+
+@pytest.mark.parametrize("kv_cache_dtype, table", [("fp8", {"tp": "1-4096:prims_ts", "dcp": "1-2:trtllm,3-4096:prims_ts"}),
+                                                   ("auto", None)], ids=["table-names-trtllm", "vllms-own-bf16-path"])
+def test_dcp_builder_takes_vllms_workspace_where_trtllm_runs(monkeypatch, tmp_path, kv_cache_dtype, table):
+    """Where trtllm-gen can run a layer (its table names it for some batch size, or vLLM's own code runs a BF16
+    cache on Blackwell), the builder takes what vLLM's takes: its computed size, slab included."""
+    import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
+
+    want = fms._required_workspace_bytes(2, 16, 64)
+    assert want == 394 * 2**20 + 8 * 32 * 64 * 256 + 2**20
+    got = _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype=kv_cache_dtype,
+                                      table=table)
+    assert got == [want]

@@ -19,16 +19,19 @@ from vllm.config.cache import CacheDType
 import vllm.platforms
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionLayer, MLAAttentionImpl
+import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as vllm_flashinfer_sparse
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
     FlashInferMLASparseImpl,
+    FlashInferMLASparseMetadataBuilder,
     FlashInferMLASparseTRTLLMBackend,
+    FlashInferMLASparseTRTLLMMetadataBuilder,
 )
 from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.heads import rank_heads_refusal
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_rows
+from vllm_kimi_dsa.serving import LayerStep, StepShape, kernel_table, planned_rows
 
 logger = init_logger(__name__)
 
@@ -167,11 +170,50 @@ def startup_line(step: LayerStep, device: torch.device) -> str:
     )
 
 
+class KimiDSAFlashInferMLASparseMetadataBuilder(FlashInferMLASparseTRTLLMMetadataBuilder):
+    """vLLM's FLASHINFER_MLA_SPARSE metadata builder, less trtllm-gen's DCP workspace where trtllm-gen never runs.
+
+    vLLM's builder sizes FlashInfer's module-wide workspace under DCP at construction, for trtllm-gen's softmax-stats
+    slab: 394 MiB + 2048 x heads x max_num_batched_tokens bytes (about 2.5 GB at 128 heads and 8,192 batched
+    tokens). That memory is taken only where a layer of this builder can run trtllm-gen: its core's kernel table
+    names it (Blackwell), or vLLM's own impl code runs the layer. On Hopper no trtllm-gen kernel runs, so nothing.
+    Everything else (metadata, reorder threshold, CUDA-graph support) is vLLM's.
+    """
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        # vLLM's FlashInferMLASparseTRTLLMMetadataBuilder.__init__ without its unconditional allocation
+        FlashInferMLASparseMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        self.supports_draft_decode_metadata_update = (
+            self.dcp_world_size == 1
+            and self.pcp_world_size == 1
+            and vllm_config.attention_config.hisparse_config is None
+        )
+        self.trtllm_layers = [name for name in layer_names if _layer_runs_trtllm(vllm_config, name, device)]
+        if self.dcp_world_size > 1 and self.trtllm_layers:
+            heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            vllm_flashinfer_sparse._get_workspace_buffer(
+                device,
+                vllm_flashinfer_sparse._required_workspace_bytes(
+                    self.dcp_world_size, heads, vllm_config.scheduler_config.max_num_batched_tokens
+                ),
+            )
+
+
+def _layer_runs_trtllm(vllm_config: Any, layer_name: str, device: torch.device) -> bool:
+    """Whether trtllm-gen can run layer `layer_name`: vLLM's own impl code runs it (not served by the core), or its
+    core's kernel table names trtllm for some batch size. A layer this module did not build counts as vLLM's."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    impl = getattr(layer, "impl", None)
+    if not isinstance(impl, KimiDSAFlashInferMLASparseImpl) or not impl.served_by_core:
+        return True
+    return "trtllm" in impl.planned_kernels(device).values()
+
+
 class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     """FLASHINFER_MLA_SPARSE on SM90 and SM100/103, with the sparse decode through FlashInferCore.
 
-    Same name, metadata builder, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the
-    nvfp4_ds_mla cache.
+    Same name, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the nvfp4_ds_mla cache.
+    Its metadata builder is vLLM's, less trtllm-gen's DCP workspace where trtllm-gen never runs.
     """
 
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
@@ -182,6 +224,10 @@ class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     @staticmethod
     def get_impl_cls() -> type[MLAAttentionImpl]:
         return KimiDSAFlashInferMLASparseImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KimiDSAFlashInferMLASparseMetadataBuilder]:
+        return KimiDSAFlashInferMLASparseMetadataBuilder
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
@@ -273,6 +319,14 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             capacities=capacities,
         )
 
+    def planned_kernels(self, device: torch.device) -> dict[int, str]:
+        """{rows: kernel} the layer's step runs (or, before it is built, would run) on `device`."""
+        if self._step is not None:
+            return dict(self._step.kernels)
+        shape = self.step_shape(device)
+        return kernel_table(range(1, shape.max_rows + 1), dcp=shape.dcp, heads=shape.heads,
+                            kv_cache_dtype=shape.fmt, device=device)
+
     def build_step(self, layer: AttentionLayer, device: torch.device, width: int | None = None) -> LayerStep:
         """Plan and allocate this layer's step (shared buffers, the kernels of every batch size). Not in capture."""
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -330,6 +384,7 @@ __all__ = [
     "CORE_CACHE_DTYPES",
     "KimiDSAFlashInferMLASparseBackend",
     "KimiDSAFlashInferMLASparseImpl",
+    "KimiDSAFlashInferMLASparseMetadataBuilder",
     "NVFP4_WRITER_NEEDS_SM100",
     "STARTUP_PREFIX",
     "core_rejects",
