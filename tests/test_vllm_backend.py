@@ -497,25 +497,29 @@ def _builder_workspace_requests(monkeypatch, tmp_path, *, capability: int, kv_ca
 
 
 ALL_PRIMS_TS = {"tp": "1-4096:prims_ts", "dcp": "1-4096:prims_ts"}
+SOME_TRTLLM = {"tp": "1-4096:prims_ts", "dcp": "1-2:trtllm,3-4096:prims_ts"}
 
 
-@pytest.mark.parametrize("capability, table", [(9, None), (10, ALL_PRIMS_TS)], ids=["sm90", "sm100-all-prims_ts"])
-def test_dcp_builder_takes_no_trtllm_workspace_where_trtllm_never_runs(monkeypatch, tmp_path, capability, table):
+@pytest.mark.parametrize("capability, table", [(9, None), (10, ALL_PRIMS_TS), (10, SOME_TRTLLM)],
+                         ids=["sm90", "sm100-all-prims_ts", "sm100-core-runs-trtllm"])
+def test_dcp_builder_takes_no_vllm_workspace_for_layers_the_core_serves(monkeypatch, tmp_path, capability, table):
     """vLLM's builder allocates trtllm-gen's workspace and softmax-stats slab under DCP (394 MiB + 2048 x heads x
-    max_num_batched_tokens bytes) before the first forward. On Hopper no trtllm-gen kernel runs, on Blackwell with a
-    table of prims_ts only neither: zero bytes."""
+    max_num_batched_tokens bytes) before the first forward. On Hopper no trtllm-gen kernel runs; on Blackwell with a
+    table of prims_ts only neither; where the core's table names trtllm-gen, the core's kernel sizes its own workspace
+    for its launch rows (test_flashinfer_conformance holds that): zero bytes of vLLM's."""
     assert _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, table=table) == []
+    if table is SOME_TRTLLM:  # the case is what it says: the core's table runs trtllm-gen at 1 and 2 rows
+        from vllm_kimi_dsa.serving import kernel_table
+
+        picked = kernel_table(range(1, 5), dcp=2, heads=32, kv_cache_dtype="fp8", device="cpu")
+        assert picked == {1: "trtllm", 2: "trtllm", 3: "prims_ts", 4: "prims_ts"}
 
 
-@pytest.mark.parametrize("kv_cache_dtype, table", [("fp8", {"tp": "1-4096:prims_ts", "dcp": "1-2:trtllm,3-4096:prims_ts"}),
-                                                   ("auto", None)], ids=["table-names-trtllm", "vllms-own-bf16-path"])
-def test_dcp_builder_takes_vllms_workspace_where_trtllm_runs(monkeypatch, tmp_path, kv_cache_dtype, table):
-    """Where trtllm-gen can run a layer (its table names it for some batch size, or vLLM's own code runs a BF16
-    cache on Blackwell), the builder takes what vLLM's takes: its computed size, slab included."""
+def test_dcp_builder_takes_vllms_workspace_where_vllms_code_runs(monkeypatch, tmp_path):
+    """A BF16 cache on Blackwell runs vLLM's own impl code (trtllm-gen on vLLM's workspace): the builder takes what
+    vLLM's takes, its computed size, slab included."""
     import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
 
     want = fms._required_workspace_bytes(2, 16, 64)
     assert want == 394 * 2**20 + 8 * 32 * 64 * 256 + 2**20
-    got = _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype=kv_cache_dtype,
-                                      table=table)
-    assert got == [want]
+    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype="auto") == [want]

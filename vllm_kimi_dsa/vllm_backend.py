@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 from vllm_kimi_dsa.formats import HEAD_DIM, LATENT_DIM
 from vllm_kimi_dsa.heads import rank_heads_refusal
 from vllm_kimi_dsa.logs import init_logger
-from vllm_kimi_dsa.serving import LayerStep, StepShape, kernel_table, planned_rows
+from vllm_kimi_dsa.serving import LayerStep, StepShape, planned_rows
 
 logger = init_logger(__name__)
 
@@ -171,13 +171,16 @@ def startup_line(step: LayerStep, device: torch.device) -> str:
 
 
 class KimiDSAFlashInferMLASparseMetadataBuilder(FlashInferMLASparseTRTLLMMetadataBuilder):
-    """vLLM's FLASHINFER_MLA_SPARSE metadata builder, less trtllm-gen's DCP workspace where trtllm-gen never runs.
+    """vLLM's FLASHINFER_MLA_SPARSE metadata builder, less trtllm-gen's DCP workspace where vLLM's code never runs it.
 
     vLLM's builder sizes FlashInfer's module-wide workspace under DCP at construction, for trtllm-gen's softmax-stats
-    slab: 394 MiB + 2048 x heads x max_num_batched_tokens bytes (about 2.5 GB at 128 heads and 8,192 batched
-    tokens). That memory is taken only where a layer of this builder can run trtllm-gen: its core's kernel table
-    names it (Blackwell), or vLLM's own impl code runs the layer. On Hopper no trtllm-gen kernel runs, so nothing.
-    Everything else (metadata, reorder threshold, CUDA-graph support) is vLLM's.
+    slab at max_num_batched_tokens rows: 394 MiB + 2048 x heads x max_num_batched_tokens bytes (about 2.5 GB at 128
+    heads and 8,192 batched tokens). Only vLLM's own impl code (`_forward_mqa_kernel` of a layer the core does not
+    serve: a BF16 cache on Blackwell) reads that buffer. A layer the core serves reads none of it: on Hopper no
+    trtllm-gen kernel runs; on Blackwell the core's trtllm-gen kernel (where its table names it) sizes its own
+    workspace for the rows one launch takes (backends/flashinfer/trtllm.py), and prims_ts plans its own. So the
+    buffer is taken only for layers vLLM's code runs. Everything else (metadata, reorder threshold, CUDA-graph
+    support) is vLLM's.
     """
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
@@ -188,8 +191,8 @@ class KimiDSAFlashInferMLASparseMetadataBuilder(FlashInferMLASparseTRTLLMMetadat
             and self.pcp_world_size == 1
             and vllm_config.attention_config.hisparse_config is None
         )
-        self.trtllm_layers = [name for name in layer_names if _layer_runs_trtllm(vllm_config, name, device)]
-        if self.dcp_world_size > 1 and self.trtllm_layers:
+        self.vllm_trtllm_layers = [name for name in layer_names if _vllm_code_runs(vllm_config, name)]
+        if self.dcp_world_size > 1 and self.vllm_trtllm_layers:
             heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
             vllm_flashinfer_sparse._get_workspace_buffer(
                 device,
@@ -199,21 +202,19 @@ class KimiDSAFlashInferMLASparseMetadataBuilder(FlashInferMLASparseTRTLLMMetadat
             )
 
 
-def _layer_runs_trtllm(vllm_config: Any, layer_name: str, device: torch.device) -> bool:
-    """Whether trtllm-gen can run layer `layer_name`: vLLM's own impl code runs it (not served by the core), or its
-    core's kernel table names trtllm for some batch size. A layer this module did not build counts as vLLM's."""
+def _vllm_code_runs(vllm_config: Any, layer_name: str) -> bool:
+    """Whether vLLM's own FlashInferMLASparseImpl code (trtllm-gen on vLLM's workspace) runs layer `layer_name`:
+    a layer the core does not serve, or one this module did not build."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     impl = getattr(layer, "impl", None)
-    if not isinstance(impl, KimiDSAFlashInferMLASparseImpl) or not impl.served_by_core:
-        return True
-    return "trtllm" in impl.planned_kernels(device).values()
+    return not isinstance(impl, KimiDSAFlashInferMLASparseImpl) or not impl.served_by_core
 
 
 class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     """FLASHINFER_MLA_SPARSE on SM90 and SM100/103, with the sparse decode through FlashInferCore.
 
     Same name, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the nvfp4_ds_mla cache.
-    Its metadata builder is vLLM's, less trtllm-gen's DCP workspace where trtllm-gen never runs.
+    Its metadata builder is vLLM's, less trtllm-gen's DCP workspace where vLLM's code never runs trtllm-gen.
     """
 
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
@@ -318,14 +319,6 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             rank=self.dcp_rank,
             capacities=capacities,
         )
-
-    def planned_kernels(self, device: torch.device) -> dict[int, str]:
-        """{rows: kernel} the layer's step runs (or, before it is built, would run) on `device`."""
-        if self._step is not None:
-            return dict(self._step.kernels)
-        shape = self.step_shape(device)
-        return kernel_table(range(1, shape.max_rows + 1), dcp=shape.dcp, heads=shape.heads,
-                            kv_cache_dtype=shape.fmt, device=device)
 
     def build_step(self, layer: AttentionLayer, device: torch.device, width: int | None = None) -> LayerStep:
         """Plan and allocate this layer's step (shared buffers, the kernels of every batch size). Not in capture."""
