@@ -217,7 +217,8 @@ def test_vllms_constructor_builds_this_impl(tmp_path):
 
 
 def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monkeypatch):
-    """vLLM's post-load hook builds the step and logs, once a process (info_once), the line the README names."""
+    """vLLM's post-load hook builds the step and logs, once a process (info_once, scope "process"), the line the README
+    names, with the worker's TP rank."""
     from vllm_kimi_dsa import __version__, vllm_backend
 
     said: list[str] = []
@@ -226,11 +227,52 @@ def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monke
     layer.impl.process_weights_after_loading(torch.bfloat16)
     assert len(said) == 1, said
     line = said[0]
-    assert line.startswith(f"vllm_kimi_dsa {__version__} serves FLASHINFER_MLA_SPARSE on cpu: ")
+    assert line.startswith(f"vllm_kimi_dsa {__version__} serves FLASHINFER_MLA_SPARSE on cpu, TP rank 0 of 1: ")
     for part in ("Triton kernels", "kv-cache fp8", "16 query heads", "planned rows 1-4", "top-k width 128"):
         assert part in line, (part, line)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert f"{vllm_backend.STARTUP_PREFIX} <version> serves FLASHINFER_MLA_SPARSE on" in readme
+
+
+def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeypatch):
+    """Two workers of one node (TP 2 x DCP 2: TP rank 0 / DCP rank 0 is local rank 0, TP rank 1 / DCP rank 1 is not),
+    captured through vLLM's logger itself (its info_once and scope check, a handler on the logger): each logs its
+    own line, naming its ranks. vLLM's default scope ("local") keeps only local rank 0's line."""
+    import logging
+
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.logger as vllm_logger
+
+    from vllm_kimi_dsa import vllm_backend
+
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Capture(level=logging.INFO)
+    log = vllm_backend.logger
+    monkeypatch.setattr(log, "level", logging.INFO)
+    log.addHandler(handler)
+    vllm_logger._print_info_once.cache_clear()  # lines other tests logged in this process
+    try:
+        config = _config(tmp_path, dcp=2, tp=2, heads=16)
+        for rank in (0, 1):
+            monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r=rank: (2, r))
+            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+            monkeypatch.setattr(parallel_state, "is_local_first_rank", lambda r=rank: r == 0)
+            layer, _ = _layer(config, heads=8, rows=4, prefix=f"model.layers.{rank}.self_attn.mla_attn")
+            layer.impl.process_weights_after_loading(torch.bfloat16)
+    finally:
+        log.removeHandler(handler)
+    ours = [line for line in lines if line.startswith(vllm_backend.STARTUP_PREFIX)]
+    assert len(ours) == 2, lines
+    assert "on cpu, TP rank 0 of 2, DCP rank 0 of 2: " in ours[0], ours[0]
+    assert "on cpu, TP rank 1 of 2, DCP rank 1 of 2: " in ours[1], ours[1]
+    assert all("16 query heads (8 a rank x DCP 2)" in line for line in ours), ours
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "every worker logs its own line" in readme
 
 
 def test_startup_line_names_the_blackwell_kernel_table_and_dcp(monkeypatch):

@@ -152,8 +152,24 @@ def _params_name(params: Any) -> str:
     return kind
 
 
-def startup_line(step: LayerStep, device: torch.device) -> str:
-    """The INFO line a worker logs once when the backend serves its DSA layers (README: "Use it in vLLM")."""
+def worker_ranks(tp_size: int, dcp_size: int, dcp_rank: int) -> str:
+    """"TP rank r of T, DCP rank d of D" for the worker this runs in (DCP part only under DCP); the TP rank from
+    vLLM's TP group, "?" where that group is not initialized (an impl made outside a vLLM worker)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        tp_rank: int | str = int(parallel_state.get_tensor_model_parallel_rank())
+    except (AssertionError, AttributeError, RuntimeError):
+        tp_rank = "?"
+    ranks = f"TP rank {tp_rank} of {tp_size}"
+    return ranks + (f", DCP rank {dcp_rank} of {dcp_size}" if dcp_size > 1 else "")
+
+
+def startup_line(step: LayerStep, device: torch.device, ranks: str = "") -> str:
+    """The INFO line every worker logs once when the backend serves its DSA layers (README: "Use it in vLLM").
+
+    ranks: the worker's ranks (`worker_ranks`), shown after the GPU; "" leaves them out.
+    """
     from vllm_kimi_dsa import __version__
 
     shape = step.shape
@@ -162,6 +178,8 @@ def startup_line(step: LayerStep, device: torch.device) -> str:
         gpu = f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
     else:
         gpu = str(device)
+    if ranks:
+        gpu = f"{gpu}, {ranks}"
     dcp = f" ({shape.heads // shape.dcp} a rank x DCP {shape.dcp})" if shape.dcp > 1 else ""
     return (
         f"{STARTUP_PREFIX} {__version__} serves FLASHINFER_MLA_SPARSE on {gpu}: {_kernel_family(step)}; "
@@ -329,8 +347,11 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             )
         self._step = LayerStep(self, layer, self.step_shape(device, width))
         self._step_scales = (float(layer._q_scale_float), float(layer._k_scale_float))
-        # Once a process (every layer gives the same line): the worker's logging is configured by now.
-        logger.info_once(startup_line(self._step, device))
+        # Once a process (every layer gives the same line), in every worker: vLLM's default scope ("local") would
+        # keep only local rank 0's. The worker's logging is configured by now.
+        tp = int(getattr(getattr(self._vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        ranks = worker_ranks(tp, self.dcp_world_size, self.dcp_rank)
+        logger.info_once(startup_line(self._step, device, ranks), scope="process")
         return self._step
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -383,4 +404,5 @@ __all__ = [
     "core_rejects",
     "startup_line",
     "vllm_path_takes",
+    "worker_ranks",
 ]
