@@ -106,7 +106,8 @@ def test_decode_batch(tmp_path_factory, heads):
 
 def test_prefill_chunk_longer_than_index_topk(tmp_path_factory):
     """One request's prefill chunk of 2200 tokens over 300 cached (more tokens than index_topk and than one launch
-    takes): vLLM sends it through forward_mqa (no dense-MHA prefill on SM90), the backend decodes it in pieces."""
+    takes): its seq_len (2500) is past index_topk, so vLLM sends it through forward_mqa, not to dense MHA; the backend
+    decodes it in pieces."""
     r = layer_rig(tmp_path_factory, 128)
     batch = r.batch([rig.Request(300, 2200)], empty_rows=(5,))
     metadata = r.metadata(batch)
