@@ -410,6 +410,31 @@ def test_new_layer_scales_rebuild_the_step_and_the_answer_follows_them(tmp_path,
     assert layer.impl._step is step
 
 
+@pytest.mark.parametrize("moved", ["k", "q"])
+def test_one_scale_moving_alone_rebuilds_the_step(tmp_path, moved):
+    """The layer's k scale changing alone (q unchanged) after the step is built, and q alone: the next call builds the
+    step again, its folded scales follow (softmax scale x q x k, output scale k), and the answer is the reference's at
+    the new scales, far from the old step's answer."""
+    from vllm_kimi_dsa.reference import reference_decode
+
+    layer, buffer = _layer(_config(tmp_path), heads=16, rows=4)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    built = layer.impl._step
+    if moved == "k":
+        layer._k_scale_float = K_SCALE * 4
+    else:
+        layer._q_scale_float = Q_SCALE * 4
+    out, (query, cache, slots, counts) = _through_vllms_converter(layer, buffer, "fp8", 3, seed=26, is_decode=True)
+    step = layer.impl._step
+    assert step is not built and layer.impl._step_scales == (layer._q_scale_float, layer._k_scale_float)
+    assert step.core.softmax_scale == pytest.approx(4 * built.core.softmax_scale)
+    assert step.core.output_scale == pytest.approx(built.core.output_scale * (4 if moved == "k" else 1))
+    kv_rows, _ = flat_kv_row_view(cache, BLOCK)
+    old, _ = reference_decode(query, kv_rows, slots, counts, fmt="fp8", softmax_scale=built.core.softmax_scale,
+                              output_scale=built.core.output_scale)
+    assert (out.float() - old).abs().max().item() > 0.1 * old.abs().max().item()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dcp_two_ranks_merged_by_vllms_combine_equal_the_reference(tmp_path, monkeypatch, fmt):
     """DCP 2: each rank's impl decodes its own share (vLLM's DCP filter-and-convert in forward_mqa), vLLM's
