@@ -141,6 +141,22 @@ def test_decode_step_through_vllms_layer(cpu_layer):
     assert found["is_decode"] is True
 
 
+@pytest.mark.parametrize("fault", sorted(rig.FAULTS))
+def test_check_step_catches_a_planted_fault(cpu_layer, fault):
+    """The checks' negative controls, in the interpreter: each fault planted in the backend (a dropped slot, a
+    softmax scale 5% high, an output scale 10% high) or in vLLM's cache writer (its k scale 5% high) makes check_step
+    fail, with the message of the check that is to catch it. (The flipped LSE base is the DCP merge's control:
+    test_vllm_backend's DCP test and test_vllm_gpu's.)"""
+    r = cpu_layer
+    batch = r.batch([rig.Request(1, 1), rig.Request(300, 1), rig.Request(40, 1)], empty_rows=(2,))
+    with rig.planted(r, fault):
+        out = r.forward(batch)
+        with pytest.raises(AssertionError, match=rig.FAULTS[fault]):
+            rig.check_step(r, batch, out)
+    clean = r.forward(batch)  # the same batch once the fault is gone passes
+    rig.check_step(r, batch, clean)
+
+
 # ---------------------------------------------------------------- which tokens vLLM sends to the backend
 
 
