@@ -76,7 +76,7 @@ def _static_fp8_quant(input, scale=None, *args, output=None, **kwargs):
 
 
 @contextlib.contextmanager
-def _cpu_rig(directory, *, dense_prefill: bool = False):
+def _cpu_rig(directory, *, dense_prefill: bool = False, **scales):
     import vllm.engine.arg_utils as arg_utils
     import vllm.model_executor.layers.attention.mla_attention as mla_attention
     import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
@@ -108,7 +108,7 @@ def _cpu_rig(directory, *, dense_prefill: bool = False):
             env.setattr(custom_ops, "scaled_fp8_quant", _static_fp8_quant)
         vh.init_vllm_cpu()
         layer = rig.LayerRig(directory, heads=16, device="cpu", num_blocks=80, max_num_seqs=4,
-                             max_num_batched_tokens=512)
+                             max_num_batched_tokens=512, **scales)
         assert (layer.layer.prefill_backend is not None) == dense_prefill
         group = layer.impl.index_group
         group.side_stream = _InOrderStream()
@@ -120,6 +120,13 @@ def _cpu_rig(directory, *, dense_prefill: bool = False):
 def cpu_layer(tmp_path_factory):
     """The layer as a CPU builds it: no FlashAttention imports, so no dense-MHA prefill (every token to the backend)."""
     with _cpu_rig(tmp_path_factory.mktemp("cpu_layer")) as layer:
+        yield layer
+
+
+@pytest.fixture(scope="module")
+def unit_scale_layer(tmp_path_factory):
+    """The layer with q / k scales of 1.0 (an unquantized checkpoint, the usual serving case: the writer skips them)."""
+    with _cpu_rig(tmp_path_factory.mktemp("unit_layer"), q_scale=1.0, k_scale=1.0) as layer:
         yield layer
 
 
@@ -139,6 +146,15 @@ def test_decode_step_through_vllms_layer(cpu_layer):
     assert r.impl._step_scales == (r.q_scale, r.k_scale), "the step must replan at the layer's new scales"
     found = rig.check_step(r, batch, out)
     assert found["is_decode"] is True
+
+
+def test_decode_step_at_unit_scales(unit_scale_layer):
+    """q / k scales of 1.0: vLLM's skip-scale cache writer and an unscaled step, checked as the calibrated one."""
+    r = unit_scale_layer
+    batch = r.batch([rig.Request(1, 1), rig.Request(2500, 1), rig.Request(40, 1)], empty_rows=(2,))
+    out = r.forward(batch)
+    assert r.impl._step_scales == (1.0, 1.0)
+    assert rig.check_step(r, batch, out)["is_decode"] is True
 
 
 @pytest.mark.parametrize("fault", sorted(rig.FAULTS))
