@@ -253,7 +253,12 @@ def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeyp
 
     handler = Capture(level=logging.INFO)
     log = vllm_backend.logger
-    monkeypatch.setattr(log, "level", logging.INFO)
+    old_level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not the attribute: it also drops the logger's cached isEnabledFor answers
+    # whatever logging setup an earlier test of the session ran (a dictConfig disabling existing loggers, a global
+    # logging.disable), the worker's logger is live here, as in a vLLM worker
+    monkeypatch.setattr(log, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
     log.addHandler(handler)
     vllm_logger._print_info_once.cache_clear()  # lines other tests logged in this process
     try:
@@ -266,6 +271,7 @@ def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeyp
             layer.impl.process_weights_after_loading(torch.bfloat16)
     finally:
         log.removeHandler(handler)
+        log.setLevel(old_level)
     ours = [line for line in lines if line.startswith(vllm_backend.STARTUP_PREFIX)]
     assert len(ours) == 2, lines
     assert "on cpu, TP rank 0 of 2, DCP rank 0 of 2: " in ours[0], ours[0]

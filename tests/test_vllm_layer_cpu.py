@@ -65,6 +65,10 @@ def _prefill_stand_in() -> type:
     return FlashAttnStandIn
 
 
+def _no_prefill_backend(vllm_config):
+    raise ValueError("no MLA prefill backend imports on this machine (FlashAttention needs a GPU)")
+
+
 def _static_fp8_quant(input, scale=None, *args, output=None, **kwargs):
     """vLLM's ops.scaled_fp8_quant with a per-tensor static scale, in torch (x / scale to e4m3, saturated)."""
     assert scale is not None and scale.numel() == 1, "the stand-in does the static per-tensor case only"
@@ -93,6 +97,8 @@ def _cpu_rig(directory, *, dense_prefill: bool = False, **scales):
         # create_engine_config turns VLLM_USE_BREAKABLE_CUDAGRAPH on for DeepSeek-V3.2 in os.environ: undone after
         env.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
         env.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+        # vLLM's MLA prefill backend as this rig's machine has it (vLLM caches its own pick per process, whatever
+        # capability an earlier test mocked): SM90's FlashAttention stood in, or none, as on a CPU
         if dense_prefill:
             stand_in = _prefill_stand_in()
             env.setattr(mla_attention, "get_mla_prefill_backend", lambda vllm_config: stand_in)
@@ -106,6 +112,8 @@ def _cpu_rig(directory, *, dense_prefill: bool = False, **scales):
             import vllm._custom_ops as custom_ops
 
             env.setattr(custom_ops, "scaled_fp8_quant", _static_fp8_quant)
+        else:
+            env.setattr(mla_attention, "get_mla_prefill_backend", _no_prefill_backend)
         vh.init_vllm_cpu()
         layer = rig.LayerRig(directory, heads=16, device="cpu", num_blocks=80, max_num_seqs=4,
                              max_num_batched_tokens=512, **scales)
