@@ -185,7 +185,10 @@ def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None, per: int = 1
     values copied into static's tensors (the runner's persistent inputs: a graph reads the addresses it was captured
     with)."""
     tokens = n * per
-    fresh = r.batch([rig.Request(int(c), per) for c in torch.randint(1, 3500, (n,), generator=r.gen)],
+    # contexts up to 3500 tokens, as many as the rig's cache holds for n requests (seen on the H100 2026-12-07: 8
+    # requests of up to 3500 outgrew its 256 blocks)
+    high = min(3500, (r.num_blocks // n - 1) * rig.BLOCK - per)
+    fresh = r.batch([rig.Request(int(c), per) for c in torch.randint(1, high, (n,), generator=r.gen)],
                     empty_rows=(tokens - 1,) if tokens > 2 else ())
     if static is None:
         width = r.num_blocks  # room for any request of the test: the table keeps one shape
