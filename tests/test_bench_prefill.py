@@ -94,6 +94,19 @@ def test_floor_arithmetic() -> None:
         bp.prefill_floor(case, CEIL, q_bytes=1, kv_row_bytes=576, compute="tf32")
 
 
+def test_floor_of_several_requests_reads_every_requests_context() -> None:
+    """3 requests of 5 tokens, each over its own 100 tokens of context: the floor's bytes count each request's 105
+    rows once (3 x 105), not one request's, while the flops count every query token."""
+    case = bp.PrefillCase(3, 5, 16, **TINY)
+    fl = bp.prefill_floor(case, CEIL, q_bytes=1, kv_row_bytes=576, compute="bf16")
+    io = 15 * 16 * HEAD_DIM * 1 + 15 * 16 * LATENT_DIM * 2
+    assert fl["bytes"] == io + 3 * 105 * 576
+    assert fl["floor_bw_us"] == pytest.approx((io + 3 * 105 * 576) / 3000e9 * 1e6, abs=1e-3)
+    assert fl["flops"] == 2.0 * 15 * 16 * 128 * (HEAD_DIM + LATENT_DIM)
+    one = bp.prefill_floor(bp.PrefillCase(1, 5, 16, **TINY), CEIL, q_bytes=1, kv_row_bytes=576, compute="bf16")
+    assert fl["bytes"] - 3 * (one["bytes"] - 5 * 16 * (HEAD_DIM + 2 * LATENT_DIM)) == io  # three contexts, not one
+
+
 def test_sample_rows_cover_every_piece() -> None:
     rows = bp.sample_rows(4096, 512, n=8)
     for start in range(0, 4096, 512):
@@ -156,6 +169,9 @@ def test_section_end_to_end_in_the_interpreter() -> None:
     by_kernel = {a["kernel"]: a for a in section["accuracy"]}
     assert by_kernel[bp.OURS]["nonfinite"] == 0 and by_kernel[bp.OURS]["rel_l2"] < 1e-2
     assert by_kernel["fake/bf16"]["nonfinite"] == 0 and by_kernel["fake/bf16"]["rel_l2"] < 1e-2
+    # the peer's gather floor: each of the 2 x 105 context rows read as a 656 B fp8_ds_mla row and written as a BF16
+    # one (576 x 2 B), at the copy rate
+    assert peer["gather_floor_us"] == pytest.approx(2 * 105 * (656 + 2 * HEAD_DIM) / 3000e9 * 1e6, abs=1e-3)
     assert section["ratios"] == [{"case": "2x5", "heads": 16, "peer": "fake/bf16",
                                   "ours_over_peer": pytest.approx(ours["us"] / peer["us"], abs=1e-3),
                                   "ours_over_peer_with_gather": section["ratios"][0]["ours_over_peer_with_gather"],

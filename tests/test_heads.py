@@ -175,13 +175,17 @@ def test_vllm_selects_the_core_for_every_count(registered, tmp_path: Path) -> No
 
 
 def test_vllm_refuses_above_128_with_the_fix(registered, tmp_path: Path) -> None:
-    """256 heads a rank (a 256-head model at TP1; at TP2 under DCP 2): refused at selection on SM90 (FP8) and on
-    SM100 where only the core reads the cache (nvfp4_ds_mla), the message naming the TP / DCP change."""
+    """256 heads a rank (a 256-head model at TP1; at TP2 under DCP 2; a 512-head model at TP4 under DCP 2, TP unlike
+    DCP): refused at selection on SM90 (FP8) and on SM100 where only the core reads the cache (nvfp4_ds_mla), the
+    message naming the TP the user runs now and the TP (or DCP) that fits."""
     import vllm_harness as vh
 
     cases = [(256, 1, 1, "256 query heads a rank: the sparse kernels take 1 to 128; use TP >= 2 (now 1)"),
              (256, 2, 2, "256 query heads a rank after DCP 2 (128 a TP rank x DCP 2): the sparse kernels take 1 to "
-                         "128; use no DCP (DCP 1) or TP >= 4 (now 2) with DCP 2")]
+                         "128; use no DCP (DCP 1) or TP >= 4 (now 2) with DCP 2"),
+             # TP 4 with DCP 2 (TP different from DCP): a 512-head model, 128 heads a TP rank, 256 after the gather
+             (512, 2, 4, "256 query heads a rank after DCP 2 (128 a TP rank x DCP 2): the sparse kernels take 1 to "
+                         "128; use no DCP (DCP 1) or TP >= 8 (now 4) with DCP 2")]
     for heads, dcp, tp, says in cases:
         for major, fmt in ((9, "fp8"), (10, "nvfp4_ds_mla")):
             config = vh.vllm_config(tmp_path / f"h{heads}-d{dcp}-{fmt}", vh.DSV32, heads=heads, dcp=dcp, tp=tp,

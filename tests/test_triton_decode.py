@@ -89,6 +89,35 @@ def test_tiny_every_head_count(fmt, heads):
     _run_functional(3, heads, 128, fmt, seed=heads * 31 + len(fmt))
 
 
+@pytest.mark.parametrize("splits", [1, 2], ids=["direct-store", "partials"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads", [1, 2, 6])
+def test_head_masks_store_nothing_past_the_last_head(fmt, heads, splits):
+    """1, 2 and 6 heads run in a 16-head block whose padded heads are masked at the store. out and lse are views at
+    the start of larger buffers filled with a sentinel, so a store past the last head of the last row lands in memory
+    the test owns and is seen by value (not by a crash): the tails keep the sentinel, and every row is right, the
+    count-0 row exactly 0 with LSE -inf (check_decode), the others against the reference. One split stores out and
+    lse directly; two store partials that the combine merges (a padded head's partial would land on the next
+    split's entries, seen in the merged values)."""
+    rows = 3
+    q, kv, slots, counts, ss, os_ = _case(rows, heads, 128, fmt, seed=heads * 17 + len(fmt))
+    assert int(counts[1]) == 0
+    n_out, n_lse, tail = rows * heads * LATENT_DIM, rows * heads, 16 * LATENT_DIM * 2
+    sentinel = 12345.0
+    out_buf = torch.full((n_out + tail,), sentinel, dtype=torch.bfloat16, device=DEVICE)
+    lse_buf = torch.full((n_lse + 32,), sentinel, dtype=torch.float32, device=DEVICE)
+    out = out_buf[:n_out].view(rows, heads, LATENT_DIM)
+    lse = lse_buf[:n_lse].view(rows, heads)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out, lse=lse,
+                      splits=splits)
+    assert bool((out_buf[n_out:] == sentinel).all()), "a store past the last head of out"
+    assert bool((lse_buf[n_lse:] == sentinel).all()), "a store past the last head of lse"
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all()), "the count-0 row: out 0, LSE -inf"
+    _check(out, lse, q, kv, slots, counts, fmt, ss, os_)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiny_splits_and_128_heads(fmt):
     # H=128 takes the 64-head tile; forcing 3 splits runs the combine on every path.

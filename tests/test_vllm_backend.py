@@ -217,7 +217,8 @@ def test_vllms_constructor_builds_this_impl(tmp_path):
 
 
 def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monkeypatch):
-    """vLLM's post-load hook builds the step and logs, once a process (info_once), the line the README names."""
+    """vLLM's post-load hook builds the step and logs, once a process (info_once, scope "process"), the line the README
+    names, with the worker's TP rank."""
     from vllm_kimi_dsa import __version__, vllm_backend
 
     said: list[str] = []
@@ -226,11 +227,58 @@ def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monke
     layer.impl.process_weights_after_loading(torch.bfloat16)
     assert len(said) == 1, said
     line = said[0]
-    assert line.startswith(f"vllm_kimi_dsa {__version__} serves FLASHINFER_MLA_SPARSE on cpu: ")
+    assert line.startswith(f"vllm_kimi_dsa {__version__} serves FLASHINFER_MLA_SPARSE on cpu, TP rank 0 of 1: ")
     for part in ("Triton kernels", "kv-cache fp8", "16 query heads", "planned rows 1-4", "top-k width 128"):
         assert part in line, (part, line)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert f"{vllm_backend.STARTUP_PREFIX} <version> serves FLASHINFER_MLA_SPARSE on" in readme
+
+
+def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeypatch):
+    """Two workers of one node (TP 2 x DCP 2: TP rank 0 / DCP rank 0 is local rank 0, TP rank 1 / DCP rank 1 is not),
+    captured through vLLM's logger itself (its info_once and scope check, a handler on the logger): each logs its
+    own line, naming its ranks. vLLM's default scope ("local") keeps only local rank 0's line."""
+    import logging
+
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.logger as vllm_logger
+
+    from vllm_kimi_dsa import vllm_backend
+
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Capture(level=logging.INFO)
+    log = vllm_backend.logger
+    old_level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not the attribute: it also drops the logger's cached isEnabledFor answers
+    # whatever logging setup an earlier test of the session ran (a dictConfig disabling existing loggers, a global
+    # logging.disable), the worker's logger is live here, as in a vLLM worker
+    monkeypatch.setattr(log, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    log.addHandler(handler)
+    vllm_logger._print_info_once.cache_clear()  # lines other tests logged in this process
+    try:
+        config = _config(tmp_path, dcp=2, tp=2, heads=16)
+        for rank in (0, 1):
+            monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r=rank: (2, r))
+            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+            monkeypatch.setattr(parallel_state, "is_local_first_rank", lambda r=rank: r == 0)
+            layer, _ = _layer(config, heads=8, rows=4, prefix=f"model.layers.{rank}.self_attn.mla_attn")
+            layer.impl.process_weights_after_loading(torch.bfloat16)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    ours = [line for line in lines if line.startswith(vllm_backend.STARTUP_PREFIX)]
+    assert len(ours) == 2, lines
+    assert "on cpu, TP rank 0 of 2, DCP rank 0 of 2: " in ours[0], ours[0]
+    assert "on cpu, TP rank 1 of 2, DCP rank 1 of 2: " in ours[1], ours[1]
+    assert all("16 query heads (8 a rank x DCP 2)" in line for line in ours), ours
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "every worker logs its own line" in readme
 
 
 def test_startup_line_names_the_blackwell_kernel_table_and_dcp(monkeypatch):
@@ -368,6 +416,31 @@ def test_new_layer_scales_rebuild_the_step_and_the_answer_follows_them(tmp_path,
     assert layer.impl._step is step
 
 
+@pytest.mark.parametrize("moved", ["k", "q"])
+def test_one_scale_moving_alone_rebuilds_the_step(tmp_path, moved):
+    """The layer's k scale changing alone (q unchanged) after the step is built, and q alone: the next call builds the
+    step again, its folded scales follow (softmax scale x q x k, output scale k), and the answer is the reference's at
+    the new scales, far from the old step's answer."""
+    from vllm_kimi_dsa.reference import reference_decode
+
+    layer, buffer = _layer(_config(tmp_path), heads=16, rows=4)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    built = layer.impl._step
+    if moved == "k":
+        layer._k_scale_float = K_SCALE * 4
+    else:
+        layer._q_scale_float = Q_SCALE * 4
+    out, (query, cache, slots, counts) = _through_vllms_converter(layer, buffer, "fp8", 3, seed=26, is_decode=True)
+    step = layer.impl._step
+    assert step is not built and layer.impl._step_scales == (layer._q_scale_float, layer._k_scale_float)
+    assert step.core.softmax_scale == pytest.approx(4 * built.core.softmax_scale)
+    assert step.core.output_scale == pytest.approx(built.core.output_scale * (4 if moved == "k" else 1))
+    kv_rows, _ = flat_kv_row_view(cache, BLOCK)
+    old, _ = reference_decode(query, kv_rows, slots, counts, fmt="fp8", softmax_scale=built.core.softmax_scale,
+                              output_scale=built.core.output_scale)
+    assert (out.float() - old).abs().max().item() > 0.1 * old.abs().max().item()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dcp_two_ranks_merged_by_vllms_combine_equal_the_reference(tmp_path, monkeypatch, fmt):
     """DCP 2: each rank's impl decodes its own share (vLLM's DCP filter-and-convert in forward_mqa), vLLM's
@@ -443,3 +516,83 @@ def test_env_docs_cover_every_variable_and_the_readme_lists_them():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for name, (what, values) in envs.DOCS.items():
         assert f"| `{name}` | {what} | {values} |" in readme, f"README's variable table lacks {name}"
+
+
+# ---------------------------------------------------------------- the metadata builder's memory under DCP
+
+
+class _DcpGroup:
+    """What the sparse builder reads of vLLM's DCP group (this process has none of 2 ranks)."""
+
+    world_size = 2
+    rank_in_group = 0
+
+
+def _builder_workspace_requests(monkeypatch, tmp_path, *, capability: int, kv_cache_dtype: str = "fp8",
+                                table: dict | None = None, heads: int = 16, batched: int = 64) -> list[int]:
+    """The bytes vLLM's workspace allocator is asked for while this backend's metadata builder is made under DCP 2
+    (one layer of `heads` heads a TP rank; `table`: a kernel-table file's contents; a Blackwell with prims_ts and
+    trtllm-gen is mocked at capability 10). vLLM's allocator is spied on: its calls are the memory taken."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
+    import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.ops.dcp import MLADCPManager
+
+    from vllm_kimi_dsa.backends.flashinfer.features import FlashInferFeatures
+    from vllm_kimi_dsa.selection import choice, reset_kernel_table_cache
+
+    requests: list[int] = []
+    monkeypatch.setattr(fms, "_get_workspace_buffer", lambda device, min_bytes=None: requests.append(min_bytes))
+    monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True: (2, 0))
+    monkeypatch.setattr(sparse_mla, "get_dcp_group", lambda: _DcpGroup())
+    monkeypatch.setattr(sparse_mla, "PIN_MEMORY", False)
+    # the prefill KV gather's symmetric-memory setup needs a real group of 2; it is not what this test measures
+    monkeypatch.setattr(MLADCPManager, "init_kv_gather", lambda self, *a, **k: None)
+    if capability == 10:
+        monkeypatch.setattr(choice, "_is_blackwell", lambda device: True)
+        monkeypatch.setattr(choice, "_features", lambda: FlashInferFeatures("0.7.4", True, True))
+    if table is not None:
+        path = tmp_path / "table.json"
+        path.write_text(json.dumps(table))
+        monkeypatch.setenv(envs.KERNEL_TABLE, str(path))
+    reset_kernel_table_cache()
+    config = _config(tmp_path, kv_cache_dtype=kv_cache_dtype, dcp=2, tp=2, heads=2 * heads,
+                     max_num_batched_tokens=batched)
+    layer, _ = _layer(config, heads=heads, rows=4, capability=capability)
+    assert layer.impl.dcp_world_size == 2
+    spec = layer.get_kv_cache_spec(config)
+    with vh.gpu_capability(capability), set_current_vllm_config(config):
+        builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    assert builder.dcp_world_size == 2 and builder.supports_draft_decode_metadata_update is False
+    reset_kernel_table_cache()
+    return requests
+
+
+ALL_PRIMS_TS = {"tp": "1-4096:prims_ts", "dcp": "1-4096:prims_ts"}
+SOME_TRTLLM = {"tp": "1-4096:prims_ts", "dcp": "1-2:trtllm,3-4096:prims_ts"}
+
+
+@pytest.mark.parametrize("capability, table", [(9, None), (10, ALL_PRIMS_TS), (10, SOME_TRTLLM)],
+                         ids=["sm90", "sm100-all-prims_ts", "sm100-core-runs-trtllm"])
+def test_dcp_builder_takes_no_vllm_workspace_for_layers_the_core_serves(monkeypatch, tmp_path, capability, table):
+    """vLLM's builder allocates trtllm-gen's workspace and softmax-stats slab under DCP (394 MiB + 2048 x heads x
+    max_num_batched_tokens bytes) before the first forward. On Hopper no trtllm-gen kernel runs; on Blackwell with a
+    table of prims_ts only neither; where the core's table names trtllm-gen, the core's kernel sizes its own workspace
+    for its launch rows (test_flashinfer_conformance holds that): zero bytes of vLLM's."""
+    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, table=table) == []
+    if table is SOME_TRTLLM:  # the case is what it says: the core's table runs trtllm-gen at 1 and 2 rows
+        from vllm_kimi_dsa.serving import kernel_table
+
+        picked = kernel_table(range(1, 5), dcp=2, heads=32, kv_cache_dtype="fp8", device="cpu")
+        assert picked == {1: "trtllm", 2: "trtllm", 3: "prims_ts", 4: "prims_ts"}
+
+
+def test_dcp_builder_takes_vllms_workspace_where_vllms_code_runs(monkeypatch, tmp_path):
+    """A BF16 cache on Blackwell runs vLLM's own impl code (trtllm-gen on vLLM's workspace): the builder takes what
+    vLLM's takes, its computed size, slab included."""
+    import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
+
+    want = fms._required_workspace_bytes(2, 16, 64)
+    assert want == 394 * 2**20 + 8 * 32 * 64 * 256 + 2**20
+    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype="auto") == [want]

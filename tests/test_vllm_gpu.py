@@ -5,13 +5,18 @@ The layer, its config, cache writer, FP8 query, index group, metadata builder an
 against float32 references of the layer's math, part by part:
 
 - the cache rows vLLM's fused_norm_rope wrote for the step's tokens, against RMSNorm / RoPE of the same bf16
-  projections: one e4m3 rounding, |got - ref| <= 2^-3 |ref| + 2^-9 (a full e4m3 step, and its subnormal spacing);
+  projections: one e4m3 rounding, |got - ref| <= (2^-4 + 2^-8) |ref| + 2^-9 (half an e4m3 step, the bf16 input's
+  rounding, and e4m3's subnormal spacing);
 - the FP8 query vLLM's fused_q made, against the float32 chain (RMSNorm, q_b_proj, W_UK absorption, RoPE):
   one e4m3 rounding plus the bf16 roundings of the chain, at most 2^-5 of the row's rms (derivation at QUERY_ABS);
-- the latent the backend returned, against the float32 decode of that query over the rows the cache holds,
-  with the bounds every kernel test uses (decode_checks.check_decode) and vLLM's flat rows equal to ours;
+- the latent the backend returned, against the float32 decode of that query over the rows the cache holds, at the
+  scales the layer's q / k scales and softmax scale give (not the core's own), with the bounds every kernel test uses
+  (decode_checks.check_decode) and vLLM's flat rows equal to ours;
 - the layer's output (W_UV, o_proj), against float32 of the reference latent: LAYER_REL per token;
 - and, reported, the whole layer against a float32 query never rounded to e4m3 (the FP8 query's own error).
+
+Negative controls: faults planted in the backend (a dropped slot, a softmax scale 5% high, an output scale 10% high),
+in vLLM's cache writer (k scale 5% high) and in the DCP merge (the LSE base flipped) must each fail the checks.
 
 Skipped (with the reason) where CUDA or vLLM is missing; CPU CI runs the same path in tests/test_vllm_backend.py.
 """
@@ -76,28 +81,37 @@ def report():
 _RIGS: dict[tuple, rig.LayerRig] = {}
 
 
-def layer_rig(tmp_path_factory, heads: int, spec_tokens: int = 0) -> rig.LayerRig:
-    """One layer a (heads, speculative tokens), built once: each test draws fresh inputs from it."""
-    key = (heads, spec_tokens)
+CALIBRATED = (0.125, 0.25)  # q / k scales as a calibrated checkpoint (or calculate_kv_scales) sets them
+UNIT = (1.0, 1.0)  # an unquantized checkpoint's scales: the serving default, vLLM's skip-scale cache writer
+
+
+def layer_rig(tmp_path_factory, heads: int, spec_tokens: int = 0, scales: tuple[float, float] = CALIBRATED
+              ) -> rig.LayerRig:
+    """One layer a (heads, speculative tokens, q / k scales), built once: each test draws fresh inputs from it."""
+    key = (heads, spec_tokens, scales)
     if key not in _RIGS:
-        _RIGS[key] = rig.LayerRig(tmp_path_factory.mktemp(f"h{heads}s{spec_tokens}"), heads=heads,
-                                  spec_tokens=spec_tokens, seed=heads * 10 + spec_tokens)
+        name = f"h{heads}s{spec_tokens}" + ("unit" if scales == UNIT else "")
+        _RIGS[key] = rig.LayerRig(tmp_path_factory.mktemp(name), heads=heads, spec_tokens=spec_tokens,
+                                  q_scale=scales[0], k_scale=scales[1], seed=heads * 10 + spec_tokens)
     return _RIGS[key]
 
 
 # ---------------------------------------------------------------- batch kinds
 
 
-@pytest.mark.parametrize("heads", [128, 16, 8])
-def test_decode_batch(tmp_path_factory, heads):
+@pytest.mark.parametrize("heads, scales", [(128, CALIBRATED), (16, CALIBRATED), (8, CALIBRATED), (128, UNIT),
+                                            (16, UNIT)], ids=["h128", "h16", "h8", "h128-unit-scales",
+                                                              "h16-unit-scales"])
+def test_decode_batch(tmp_path_factory, heads, scales):
     """An odd decode batch (5 requests, contexts 1 to 4000 tokens: fewer and more than index_topk), -1 holes, one
-    token with nothing selected; 16 and 8 heads are what a TP8 / TP16 rank of a 128-head model sees."""
-    r = layer_rig(tmp_path_factory, heads)
+    token with nothing selected; 16 and 8 heads are what a TP8 / TP16 rank of a 128-head model sees. Calibrated
+    scales, and q / k scales of 1.0 (the usual serving case: vLLM's writer skips the scale)."""
+    r = layer_rig(tmp_path_factory, heads, scales=scales)
     batch = r.batch([rig.Request(c, 1) for c in (1, 130, 2047, 2500, 4000)], empty_rows=(1,))
     r.impl._step.buffers.latent.fill_(float("nan"))  # poison: everything returned must be written
     out = r.forward(batch)
     assert r.impl._step_scales == (r.q_scale, r.k_scale), "the step must run at the layer's scales"
-    found = REPORT[f"decode_h{heads}"] = check_step(r, batch, out)
+    found = REPORT[f"decode_h{heads}" + ("_unit" if scales == UNIT else "")] = check_step(r, batch, out)
     from vllm_kimi_dsa.vllm_backend import startup_line
 
     found["startup_line"] = startup_line(r.impl._step, DEVICE)
@@ -106,7 +120,8 @@ def test_decode_batch(tmp_path_factory, heads):
 
 def test_prefill_chunk_longer_than_index_topk(tmp_path_factory):
     """One request's prefill chunk of 2200 tokens over 300 cached (more tokens than index_topk and than one launch
-    takes): vLLM sends it through forward_mqa (no dense-MHA prefill on SM90), the backend decodes it in pieces."""
+    takes): its seq_len (2500) is past index_topk, so vLLM sends it through forward_mqa, not to dense MHA; the backend
+    decodes it in pieces."""
     r = layer_rig(tmp_path_factory, 128)
     batch = r.batch([rig.Request(300, 2200)], empty_rows=(5,))
     metadata = r.metadata(batch)
@@ -143,6 +158,20 @@ def test_speculative_batch(tmp_path_factory, spec_tokens):
     assert found["is_decode"] is True
 
 
+@pytest.mark.parametrize("fault", sorted(rig.FAULTS))
+def test_check_step_catches_a_planted_fault(tmp_path_factory, fault):
+    """The checks' negative controls on the GPU: each planted fault makes check_step fail with the message of the
+    check meant to catch it; the same batch passes once the fault is gone."""
+    r = layer_rig(tmp_path_factory, 128)
+    batch = r.batch([rig.Request(c, 1) for c in (1, 130, 2500)], empty_rows=(1,))
+    with rig.planted(r, fault):
+        out = r.forward(batch)
+        with pytest.raises(AssertionError, match=rig.FAULTS[fault]):
+            check_step(r, batch, out)
+    check_step(r, batch, r.forward(batch))
+    REPORT.setdefault("negative_controls", {})[fault] = "caught"
+
+
 # ---------------------------------------------------------------- CUDA graphs, as vLLM captures this model
 
 
@@ -151,11 +180,16 @@ def allocations() -> int:
     return torch.cuda.memory_stats()["allocation.all.allocated"]
 
 
-def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None):
-    """A uniform decode batch of n requests; with `static`, its values copied into static's tensors (the runner's
-    persistent inputs: a graph reads the addresses it was captured with)."""
-    fresh = r.batch([rig.Request(int(c), 1) for c in torch.randint(1, 3500, (n,), generator=r.gen)],
-                    empty_rows=(n - 1,) if n > 2 else ())
+def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None, per: int = 1):
+    """A uniform decode batch of n requests of `per` query tokens each (1 + MTP's draft tokens); with `static`, its
+    values copied into static's tensors (the runner's persistent inputs: a graph reads the addresses it was captured
+    with)."""
+    tokens = n * per
+    # contexts up to 3500 tokens, as many as the rig's cache holds for n requests (seen on the H100 2026-12-07: 8
+    # requests of up to 3500 outgrew its 256 blocks)
+    high = min(3500, (r.num_blocks // n - 1) * rig.BLOCK - per)
+    fresh = r.batch([rig.Request(int(c), per) for c in torch.randint(1, high, (n,), generator=r.gen)],
+                    empty_rows=(tokens - 1,) if tokens > 2 else ())
     if static is None:
         width = r.num_blocks  # room for any request of the test: the table keeps one shape
         table = torch.zeros((n, width), dtype=torch.int32, device=r.device)
@@ -170,20 +204,41 @@ def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None):
     return static
 
 
+def _counting(obj, name: str, counter: list[int]) -> None:
+    """Wrap obj.name (a replay method) so each call adds one to counter[0]."""
+    inner = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+
+
+GRAPH_LAYOUTS = [(128, 0), (16, 0), (8, 0), (128, 1)]
+
+
+@pytest.mark.parametrize("heads, spec_tokens", GRAPH_LAYOUTS, ids=["h128", "h16", "h8", "h128-mtp1"])
 @pytest.mark.parametrize("wrapper", ["full", "breakable"])
-def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper):
+def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper, heads, spec_tokens):
     """Uniform decode batches captured at several of vLLM's capture sizes: FULL through vLLM's CUDAGraphWrapper (how
     vLLM runs uniform decode batches: the backend's decode inside the graph) and PIECEWISE through vLLM's
-    BreakableCUDAGraphWrapper (VLLM_USE_BREAKABLE_CUDAGRAPH, on for DeepSeek-V3.2: the attention an eager break).
-    Replayed on new inputs: equal to an eager step on the same inputs bit for bit, no allocation in the replay."""
+    BreakableCUDAGraphWrapper (VLLM_USE_BREAKABLE_CUDAGRAPH, on for DeepSeek-V3.2: the attention an eager break), at
+    128, 16 and 8 heads and with MTP rows (2 query tokens a request). Each size is captured once (the wrapper holds
+    one graph a size, with one eager break in the breakable one) and replayed once on new inputs (counted), the
+    backend running in the eager break at that replay: equal to an eager step on the same inputs bit for bit, no
+    allocation by the backend in the replay (none at all in FULL)."""
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
-    r = layer_rig(tmp_path_factory, 128)
-    sizes = [s for s in r.config.compilation_config.cudagraph_capture_sizes if s in (1, 4, 8)]
-    assert sizes, r.config.compilation_config.cudagraph_capture_sizes
+    r = layer_rig(tmp_path_factory, heads, spec_tokens)
+    per = 1 + spec_tokens
+    capture_sizes = r.config.compilation_config.cudagraph_capture_sizes
+    sizes = [s for s in capture_sizes if s % per == 0 and s // per in (1, 2, 4, 8)]
+    sizes = sizes[:3] if per > 1 else [s for s in sizes if s in (1, 4, 8)]
+    assert sizes, capture_sizes
     mode = CUDAGraphMode.FULL if wrapper == "full" else CUDAGraphMode.PIECEWISE
 
     def run_layer(positions, hidden):
@@ -193,15 +248,29 @@ def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper):
                else BreakableCUDAGraphWrapper(run_layer, r.config, runtime_mode=mode))
     r.spying = False
     try:
-        for n in sizes:
-            static = _graph_batch(r, n, None)
-            descriptor = BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True)
-            r.topk_buffer[:n].copy_(static.topk)
+        for captured, tokens in enumerate(sizes, 1):
+            n = tokens // per
+            static = _graph_batch(r, n, None, per)
+            descriptor = BatchDescriptor(num_tokens=tokens, num_reqs=n, uniform=True)
+            r.topk_buffer[:tokens].copy_(static.topk)
             r.forward(static)  # warm-up, as vLLM runs before capture (compiles every kernel of the step)
             with r.forward_context(static, r.metadata(static), mode=mode, descriptor=descriptor):
                 graphed(static.positions, static.hidden)  # capture
-            _graph_batch(r, n, static)  # new inputs, same addresses
-            r.topk_buffer[:n].copy_(static.topk)
+            replays = [0]
+            if wrapper == "full":
+                entries = graphed.concrete_cudagraph_entries
+                assert len(entries) == captured and entries[descriptor].cudagraph is not None, "no graph captured"
+                _counting(entries[descriptor].cudagraph, "replay", replays)
+                segments = None
+            else:
+                entries = graphed.entries
+                assert len(entries) == captured and entries[descriptor].capture is not None, "no graph captured"
+                capture = entries[descriptor].capture
+                assert capture.num_eager_breaks == 1 and capture.num_graphs >= 1, repr(capture)
+                segments = (capture.num_graphs, capture.num_eager_breaks)
+                _counting(capture, "replay", replays)
+            _graph_batch(r, n, static, per)  # new inputs, same addresses
+            r.topk_buffer[:tokens].copy_(static.topk)
             metadata = r.metadata(static)
             torch.cuda.synchronize()
             ours: list[int] = []  # the backend's own allocations (breakable: its call runs in an eager segment)
@@ -224,15 +293,17 @@ def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper):
             allocated = allocations() - before
             replayed = replayed.clone()
             eager = r.forward(static)
-            REPORT.setdefault(f"graph_{wrapper}", {})[str(n)] = found = {
+            REPORT.setdefault(f"graph_{wrapper}_h{heads}s{spec_tokens}", {})[str(tokens)] = found = {
                 "bit_equal": bool(torch.equal(replayed, eager)), "replay_allocations": allocated,
-                "backend_allocations": sum(ours), "backend_calls_in_replay": len(ours)}
-            assert found["bit_equal"], f"{wrapper} graph of {n} rows differs from eager"
-            assert sum(ours) == 0, f"the backend allocated {sum(ours)} times in a {wrapper} replay of {n} rows"
-            if wrapper == "full":  # the whole step is one graph: nothing at all may allocate
-                assert allocated == 0 and not ours, f"FULL replay of {n} rows allocated {allocated} times"
+                "backend_allocations": sum(ours), "backend_calls_in_replay": len(ours), "replays": replays[0],
+                "graphs_held": len(entries), "segments": segments}
+            assert replays[0] == 1, f"{wrapper}: {replays[0]} replays of the {tokens}-token graph, expected 1"
+            assert found["bit_equal"], f"{wrapper} graph of {tokens} rows differs from eager"
+            assert sum(ours) == 0, f"the backend allocated {sum(ours)} times in a {wrapper} replay of {tokens} rows"
+            if wrapper == "full":  # the whole step is one graph: nothing at all may allocate, nothing eager runs
+                assert allocated == 0 and not ours, f"FULL replay of {tokens} rows allocated {allocated} times"
             else:  # the attention is the eager break: the backend runs in it at every replay
-                assert len(ours) == 1
+                assert len(ours) == 1, f"the backend ran {len(ours)} times in the replay's eager break"
     finally:
         r.spying = True
 
@@ -250,6 +321,7 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     import vllm.v1.attention.ops.dcp as dcp_ops
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseMetadata
+    from vllm.v1.attention.ops.dcp import _lse_weighted_combine
 
     import vllm_harness as vh
     from dcp_cases import make_case
@@ -316,8 +388,18 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     core = layers[0].impl._step.core
     ref, _ = reference_decode(query, kv_rows, slots, tp_counts, fmt="fp8", softmax_scale=core.softmax_scale,
                               output_scale=core.output_scale)
-    scale = ref.abs().max().item()
-    # each rank's latent within the decode bound, bf16-rounded; the merge rounds once more: 4 bf16 ulps of the
-    # largest output bound the difference
-    torch.testing.assert_close(full, ref, atol=4 * 2**-8 * scale, rtol=0)
+    _check_merge(full, ref)
     REPORT["dcp2_mladcpmanager"] = {"rel_l2": rel_l2(full, ref), "rows": rows, "heads": heads}
+    # negative control: the same ranks' shards merged in the other LSE base (log2 read as ln) must fail the check
+    flipped = _lse_weighted_combine(torch.stack(outs), torch.stack(lses),
+                                    is_lse_base_on_e=not layers[0].impl.lse_base_on_e)
+    with pytest.raises(AssertionError):
+        _check_merge(flipped.float(), ref)
+    REPORT["dcp2_mladcpmanager"]["flipped_base_caught"] = True
+
+
+def _check_merge(merged: torch.Tensor, ref: torch.Tensor) -> None:
+    """Each rank's latent within the decode bound, bf16-rounded; the merge rounds once more: 4 bf16 ulps of the
+    largest output bound the difference."""
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(merged, ref, atol=4 * 2**-8 * scale, rtol=0)

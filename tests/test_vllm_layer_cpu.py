@@ -9,6 +9,7 @@ are plain, and the index group's CUDA side stream and events run in program orde
 
 from __future__ import annotations
 
+import contextlib
 from unittest.mock import patch
 
 import pytest
@@ -45,9 +46,43 @@ class _InOrderEvent:
         pass
 
 
-@pytest.fixture(scope="module")
-def cpu_layer(tmp_path_factory):
+def _prefill_stand_in() -> type:
+    """vLLM's MLAPrefillBackend named FLASH_ATTN, what vLLM selects on SM90 for the dense-MHA prefill where
+    FlashAttention imports (it does not on a CPU). Its kernels never run here: the split test records forward_mha."""
+    from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+
+    class FlashAttnStandIn(MLAPrefillBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "FLASH_ATTN"
+
+        def run_prefill_new_tokens(self, *args, **kwargs):
+            raise AssertionError("the stand-in's prefill kernel never runs")
+
+        def run_prefill_context_chunk(self, *args, **kwargs):
+            raise AssertionError("the stand-in's prefill kernel never runs")
+
+    return FlashAttnStandIn
+
+
+def _no_prefill_backend(vllm_config):
+    raise ValueError("no MLA prefill backend imports on this machine (FlashAttention needs a GPU)")
+
+
+def _static_fp8_quant(input, scale=None, *args, output=None, **kwargs):
+    """vLLM's ops.scaled_fp8_quant with a per-tensor static scale, in torch (x / scale to e4m3, saturated)."""
+    assert scale is not None and scale.numel() == 1, "the stand-in does the static per-tensor case only"
+    q = (input.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    if output is None:
+        return q, scale
+    output.copy_(q)
+    return output, scale
+
+
+@contextlib.contextmanager
+def _cpu_rig(directory, *, dense_prefill: bool = False, **scales):
     import vllm.engine.arg_utils as arg_utils
+    import vllm.model_executor.layers.attention.mla_attention as mla_attention
     import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
     import vllm.v1.attention.backends.mla.index_group as index_group
 
@@ -62,12 +97,51 @@ def cpu_layer(tmp_path_factory):
         # create_engine_config turns VLLM_USE_BREAKABLE_CUDAGRAPH on for DeepSeek-V3.2 in os.environ: undone after
         env.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
         env.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+        # vLLM's MLA prefill backend as this rig's machine has it (vLLM caches its own pick per process, whatever
+        # capability an earlier test mocked): SM90's FlashAttention stood in, or none, as on a CPU
+        if dense_prefill:
+            stand_in = _prefill_stand_in()
+            env.setattr(mla_attention, "get_mla_prefill_backend", lambda vllm_config: stand_in)
+            # the chunked-context fields' host buffers, and the capture check a CPU's torch cannot answer
+            import vllm.utils.torch_utils as torch_utils
+
+            env.setattr(mla_attention, "PIN_MEMORY", False)
+            env.setattr(torch_utils, "PIN_MEMORY", False)
+            env.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+            # the dense path's decode query goes through vLLM's compiled static FP8 quant (a CUDA op): torch's here
+            import vllm._custom_ops as custom_ops
+
+            env.setattr(custom_ops, "scaled_fp8_quant", _static_fp8_quant)
+        else:
+            env.setattr(mla_attention, "get_mla_prefill_backend", _no_prefill_backend)
         vh.init_vllm_cpu()
-        layer = rig.LayerRig(tmp_path_factory.mktemp("cpu_layer"), heads=16, device="cpu", num_blocks=80,
-                             max_num_seqs=4, max_num_batched_tokens=512)
+        layer = rig.LayerRig(directory, heads=16, device="cpu", num_blocks=80, max_num_seqs=4,
+                             max_num_batched_tokens=512, **scales)
+        assert (layer.layer.prefill_backend is not None) == dense_prefill
         group = layer.impl.index_group
         group.side_stream = _InOrderStream()
         group.logical_topk_ready = group.physical_topk_ready = _InOrderEvent()
+        yield layer
+
+
+@pytest.fixture(scope="module")
+def cpu_layer(tmp_path_factory):
+    """The layer as a CPU builds it: no FlashAttention imports, so no dense-MHA prefill (every token to the backend)."""
+    with _cpu_rig(tmp_path_factory.mktemp("cpu_layer")) as layer:
+        yield layer
+
+
+@pytest.fixture(scope="module")
+def unit_scale_layer(tmp_path_factory):
+    """The layer with q / k scales of 1.0 (an unquantized checkpoint, the usual serving case: the writer skips them)."""
+    with _cpu_rig(tmp_path_factory.mktemp("unit_layer"), q_scale=1.0, k_scale=1.0) as layer:
+        yield layer
+
+
+@pytest.fixture(scope="module")
+def sm90_layer(tmp_path_factory):
+    """The layer as an H100 with vLLM's wheel builds it: FlashAttention the dense-MHA prefill backend."""
+    with _cpu_rig(tmp_path_factory.mktemp("sm90_layer"), dense_prefill=True) as layer:
         yield layer
 
 
@@ -80,3 +154,97 @@ def test_decode_step_through_vllms_layer(cpu_layer):
     assert r.impl._step_scales == (r.q_scale, r.k_scale), "the step must replan at the layer's new scales"
     found = rig.check_step(r, batch, out)
     assert found["is_decode"] is True
+
+
+def test_decode_step_at_unit_scales(unit_scale_layer):
+    """q / k scales of 1.0: vLLM's skip-scale cache writer and an unscaled step, checked as the calibrated one."""
+    r = unit_scale_layer
+    batch = r.batch([rig.Request(1, 1), rig.Request(2500, 1), rig.Request(40, 1)], empty_rows=(2,))
+    out = r.forward(batch)
+    assert r.impl._step_scales == (1.0, 1.0)
+    assert rig.check_step(r, batch, out)["is_decode"] is True
+
+
+@pytest.mark.parametrize("fault", sorted(rig.FAULTS))
+def test_check_step_catches_a_planted_fault(cpu_layer, fault):
+    """The checks' negative controls, in the interpreter: each fault planted in the backend (a dropped slot, a
+    softmax scale 5% high, an output scale 10% high) or in vLLM's cache writer (its k scale 5% high) makes check_step
+    fail, with the message of the check that is to catch it. (The flipped LSE base is the DCP merge's control:
+    test_vllm_backend's DCP test and test_vllm_gpu's.)"""
+    r = cpu_layer
+    batch = r.batch([rig.Request(1, 1), rig.Request(300, 1), rig.Request(40, 1)], empty_rows=(2,))
+    with rig.planted(r, fault):
+        out = r.forward(batch)
+        with pytest.raises(AssertionError, match=rig.FAULTS[fault]):
+            rig.check_step(r, batch, out)
+    clean = r.forward(batch)  # the same batch once the fault is gone passes
+    rig.check_step(r, batch, clean)
+
+
+# ---------------------------------------------------------------- which tokens vLLM sends to the backend
+
+
+def _route(r, batch) -> dict:
+    """vLLM's forward of `batch` with the two attention paths recorded instead of run: how many tokens reach the
+    backend (_forward_mqa_kernel, through forward_mqa) and how many vLLM's dense-MHA prefill takes (forward_mha).
+    Both write zeros, so a prefill of thousands of tokens costs no interpreter time; everything else is vLLM's."""
+    seen = {"backend": [], "dense_mha": []}
+    impl = r.impl
+
+    def kernel(q, kv_cache, topk_indices, seq_lens, **kw):
+        seen["backend"].append(int(q.shape[0]))
+        out = torch.zeros((q.shape[0], r.heads, 512), dtype=torch.bfloat16)
+        return out, None
+
+    def forward_mha(q, kv_c_normed, k_pe, kv_cache, attn_metadata, k_scale, output, output_scale=None):
+        seen["dense_mha"].append(int(q.shape[0]))
+        output.zero_()
+
+    with patch.object(impl, "_forward_mqa_kernel", kernel), patch.object(impl, "forward_mha", forward_mha):
+        r.forward(batch)
+    metadata = r.metadata(batch)
+    return {"backend": sum(seen["backend"]), "dense_mha": sum(seen["dense_mha"]),
+            "decode_tokens": metadata.num_decode_tokens, "threshold": r.builder.reorder_batch_threshold}
+
+
+@pytest.mark.parametrize(
+    "requests, backend, dense",
+    [
+        ([(40, 1), (2500, 1), (7, 1)], 3, 0),  # decodes
+        ([(3000, 100)], 100, 0),  # an extend of <= 128 tokens (16 heads' threshold): counted as a decode
+        ([(40, 1), (0, 200)], 1, 200),  # a fresh 200-token prefill: seq_len 200 <= index_topk 2048
+        ([(40, 1), (1800, 200)], 1, 200),  # a chunk over context, seq_len 2000 <= 2048: dense MHA too
+        ([(40, 1), (1900, 200)], 201, 0),  # seq_len 2100 > 2048: through the backend
+        ([(0, 200), (2000, 150)], 350, 0),  # the batch's longest prefill decides for every prefill of it
+    ],
+    ids=["decodes", "short-extend", "fresh-prefill", "chunk-within-topk", "chunk-past-topk", "mixed-prefills"],
+)
+def test_which_tokens_reach_the_backend(sm90_layer, requests, backend, dense):
+    """vLLM 0.33's split, driven through its builder and DeepseekV32Attention.forward (SM90, FP8 cache, 16 heads a
+    rank): decode tokens, and extends no longer than the builder's reorder threshold, always reach the backend; the
+    prefills of a batch go to dense MHA (FlashAttention on SM90) when the longest one's seq_len (context + chunk) is at
+    most index_topk, else through the backend with the decodes (README: "Which batches reach the backend")."""
+    r = sm90_layer
+    batch = r.batch([rig.Request(c, q) for c, q in requests])
+    found = _route(r, batch)
+    assert found["threshold"] == 128
+    assert (found["backend"], found["dense_mha"]) == (backend, dense), found
+    assert found["backend"] + found["dense_mha"] == batch.tokens
+
+
+def test_masked_mha_never_takes_a_cache_the_core_reads():
+    """On SM100 vLLM has a third path, masked MHA, for some TP sizes; it refuses quantized caches, so the fp8 and
+    nvfp4_ds_mla layers the core serves take the same split on Blackwell as on Hopper."""
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
+    from vllm.model_executor.layers.attention.mla_attention import _MASKED_MHA_THRESHOLDS
+
+    assert {dims: sorted(by.get("FLASHINFER_MLA_SPARSE", {})) for dims, by in _MASKED_MHA_THRESHOLDS.items()} == {
+        (192, 128): [8], (256, 256): [4, 8]}
+    with (
+        vh.gpu_capability(10),
+        patch.object(sparse_mla, "current_platform", vh.cuda_platform_class()()),
+        patch.object(sparse_mla, "get_flash_attn_version", lambda **kw: 4),
+    ):
+        for fmt in ("fp8", "fp8_e4m3", "nvfp4_ds_mla"):
+            assert not sparse_mla._is_masked_mha_available(128, 512, 128, 64, 128, fmt), fmt
+        assert sparse_mla._is_masked_mha_available(128, 512, 128, 64, 128, "auto")  # the check can say yes

@@ -35,7 +35,11 @@ from vllm_kimi_dsa.convert import convert_topk_reference
 from vllm_kimi_dsa.formats import flat_kv_row_view
 from vllm_kimi_dsa.reference import reference_decode
 
-E4M3_REL = 2.0**-3  # a whole e4m3 step (3 mantissa bits): the cache writer's and fused_q's one rounding, with room
+# The cache writer's one e4m3 rounding (3 mantissa bits, round to nearest): half a step, 2^-4 of |x|, plus the bf16
+# rounding of the normed latent / RoPE'd key on its way in (2^-9, doubled), and e4m3's subnormal spacing: a writer 5%
+# off its scale fails it (4.8% plus its rounding), which the whole step (2^-3) let through.
+CACHE_REL = 2.0**-4 + 2.0**-8
+E4M3_REL = 2.0**-3  # fused_q's: a whole e4m3 step (its inputs also differ from float32 by QUERY_ABS, see below)
 E4M3_SUB = 2.0**-9  # e4m3's subnormal spacing
 # The query's float32 chain differs from vLLM's bf16 one by roundings of 2^-9 relative at q_a RMSNorm's output,
 # q_b_proj's and the absorption's outputs; through the fan-in-256 and -128 dot products that is < 2^-7 of the row's
@@ -417,10 +421,10 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def e4m3_close(got: torch.Tensor, want: torch.Tensor, slack) -> bool:
-    """got: e4m3 values; want: their float32 reference: one e4m3 step apart, plus `slack` (the interpreter's carry
+def e4m3_close(got: torch.Tensor, want: torch.Tensor, slack, rel: float = E4M3_REL) -> bool:
+    """got: e4m3 values; want: their float32 reference: `rel` of |want| apart, plus `slack` (the interpreter's carry
     drop allowed on a CPU, see INTERPRETED)."""
-    ok = (got - want).abs() <= E4M3_REL * want.abs() + slack
+    ok = (got - want).abs() <= rel * want.abs() + slack
     if INTERPRETED:
         power = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0**-10))))
         ok |= (got.abs() == power) | (got.abs() == power / 2)
@@ -440,10 +444,15 @@ def check_step(r: "LayerRig", batch: Batch, out: torch.Tensor) -> dict:
     kv_rows = r.kv_rows()
     found = {"tokens": tokens, "heads": heads, "is_decode": piece["is_decode"]}
 
+    # the scales the answer must have, from the layer's own q / k scales and softmax scale, not from the core
+    # (SPEC 2.1: softmax scale x q_scale x k_scale, and k_scale out of P.V)
+    softmax_scale = r.impl.scale * r.q_scale * r.k_scale
+    output_scale = r.k_scale
+
     # the cache rows vLLM wrote
     got = kv_rows[batch.slot_mapping].float()
     want = ref["kv"] / r.k_scale
-    assert e4m3_close(got, want, E4M3_SUB), "cache rows off one e4m3 step"
+    assert e4m3_close(got, want, E4M3_SUB, CACHE_REL), "cache rows off e4m3's rounding"
     found["cache_rel_l2"] = rel_l2(got, want)
 
     # the FP8 query vLLM made
@@ -471,16 +480,14 @@ def check_step(r: "LayerRig", batch: Batch, out: torch.Tensor) -> dict:
     latent = piece["out"]
     for start in range(0, tokens, 64):  # the float32 reference in slices (a prefill's rows x 2048 x 576)
         sl = slice(start, min(tokens, start + 64))
-        q, kv, fmt, ss, os_ = computed_operands(kernel, core.fmt, query[sl], kv_rows, core.softmax_scale,
-                                                core.output_scale)
+        q, kv, fmt, ss, os_ = computed_operands(kernel, core.fmt, query[sl], kv_rows, softmax_scale, output_scale)
         check_decode(latent[sl], None, q, kv, piece["slots"][sl], piece["counts"][sl], fmt, ss, os_,
                      config=getattr(kernel, "config", None), wgmma=fp8_wgmma_dims(kernel, core.fmt) or False)
-    assert core.softmax_scale == pytest.approx(r.impl.scale * r.q_scale * r.k_scale)
 
     # the layer's output, and the whole layer against a query never rounded to e4m3
     ref_latent = torch.cat([
         reference_decode(query[s: s + 64], kv_rows, piece["slots"][s: s + 64], piece["counts"][s: s + 64],
-                         fmt="fp8", softmax_scale=core.softmax_scale, output_scale=core.output_scale)[0]
+                         fmt="fp8", softmax_scale=softmax_scale, output_scale=output_scale)[0]
         for s in range(0, tokens, 64)])
     want_out = r.layer_output(ref_latent)
     empty = counts == 0
@@ -490,8 +497,79 @@ def check_step(r: "LayerRig", batch: Batch, out: torch.Tensor) -> dict:
     found["layer_rel_l2"] = rel_l2(out, want_out)
     unrounded = torch.cat([
         reference_decode(ref["query"][s: s + 64], kv_rows, piece["slots"][s: s + 64], piece["counts"][s: s + 64],
-                         fmt="fp8", softmax_scale=r.impl.scale * r.k_scale, output_scale=core.output_scale)[0]
+                         fmt="fp8", softmax_scale=r.impl.scale * r.k_scale, output_scale=output_scale)[0]
         for s in range(0, tokens, 64)])
     found["e2e_rel_l2_unquantized_query"] = e2e = rel_l2(out, r.layer_output(unrounded))
     assert e2e <= E2E_REL
+    # last, the core's own scales (a wrong one has failed the value checks above already)
+    assert core.softmax_scale == pytest.approx(softmax_scale) and core.output_scale == pytest.approx(output_scale)
     return found
+
+
+# ---------------------------------------------------------------- planted faults (the checks' negative controls)
+
+# fault -> the check that must catch it (a regex of check_step's assertion message)
+FAULTS = {
+    "dropped_slot": "exceeds the bound|layer output off",  # the backend skips each row's first selected token
+    "softmax_scale_5pct": "exceeds the bound|layer output off",  # the step planned at a softmax scale 5% high
+    "output_scale_10pct": "exceeds the bound|layer output off",  # the step's output scale 10% high
+    "cache_writer_scale_5pct": "cache rows off",  # vLLM's writer at a k scale 5% high (2^-3 cannot see it)
+}
+
+
+class _ScaledLayer:
+    """A layer whose FP8 scales read `q_factor` / `k_factor` times the real ones (everything else passes through)."""
+
+    def __init__(self, layer: Any, q_factor: float = 1.0, k_factor: float = 1.0) -> None:
+        self.__dict__["_layer"], self.__dict__["_q"], self.__dict__["_k"] = layer, q_factor, k_factor
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.__dict__["_layer"], name)
+        if name == "_q_scale_float":
+            return value * self.__dict__["_q"]
+        if name == "_k_scale_float":
+            return value * self.__dict__["_k"]
+        return value
+
+
+@contextlib.contextmanager
+def planted(r: "LayerRig", fault: str) -> Iterator[None]:
+    """Run the layer with `fault` (a key of FAULTS) planted in the backend or in vLLM's writer; the step is rebuilt
+    on the way in and out, so the fault lasts exactly the block."""
+    import vllm.models.deepseek_v32.attention as v32
+
+    from vllm_kimi_dsa import serving
+
+    if fault not in FAULTS:
+        raise ValueError(f"fault={fault!r}; known: {sorted(FAULTS)}")
+    with pytest.MonkeyPatch.context() as mp:
+        if fault == "dropped_slot":
+            call = serving.LayerStep.__call__
+
+            def dropping(self, query, kv_cache, slots, counts, block_size):
+                slots = slots.clone()
+                slots[:, 0] = torch.where(counts >= 1, torch.full_like(slots[:, 0], -1), slots[:, 0])
+                return call(self, query, kv_cache, slots, counts, block_size)
+
+            mp.setattr(serving.LayerStep, "__call__", dropping)
+        elif fault in ("softmax_scale_5pct", "output_scale_10pct"):
+            core_cls = serving.FlashInferCore
+            # 5% on q moves only the softmax scale; k x 1.1 with q / 1.1 moves only the output scale (k_scale)
+            factors = {"softmax_scale_5pct": (1.05, 1.0), "output_scale_10pct": (1 / 1.1, 1.1)}[fault]
+
+            def misbuilt(impl, layer, *args, **kwargs):
+                return core_cls(impl, _ScaledLayer(layer, *factors), *args, **kwargs)
+
+            mp.setattr(serving, "FlashInferCore", misbuilt)
+        elif fault == "cache_writer_scale_5pct":
+            writer = v32.fused_norm_rope
+
+            def off_scale(*args, mla_k_scale=None, skip_scale=False, **kwargs):
+                return writer(*args, mla_k_scale=mla_k_scale * 1.05, skip_scale=False, **kwargs)
+
+            mp.setattr(v32, "fused_norm_rope", off_scale)
+        r.impl._step = None  # rebuilt on the next call, with the fault in place
+        try:
+            yield
+        finally:
+            r.impl._step = None  # and rebuilt clean after it

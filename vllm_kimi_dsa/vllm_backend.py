@@ -19,9 +19,12 @@ from vllm.config.cache import CacheDType
 import vllm.platforms
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionLayer, MLAAttentionImpl
+import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as vllm_flashinfer_sparse
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
     FlashInferMLASparseImpl,
+    FlashInferMLASparseMetadataBuilder,
     FlashInferMLASparseTRTLLMBackend,
+    FlashInferMLASparseTRTLLMMetadataBuilder,
 )
 from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 
@@ -149,8 +152,24 @@ def _params_name(params: Any) -> str:
     return kind
 
 
-def startup_line(step: LayerStep, device: torch.device) -> str:
-    """The INFO line a worker logs once when the backend serves its DSA layers (README: "Use it in vLLM")."""
+def worker_ranks(tp_size: int, dcp_size: int, dcp_rank: int) -> str:
+    """"TP rank r of T, DCP rank d of D" for the worker this runs in (DCP part only under DCP); the TP rank from
+    vLLM's TP group, "?" where that group is not initialized (an impl made outside a vLLM worker)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        tp_rank: int | str = int(parallel_state.get_tensor_model_parallel_rank())
+    except (AssertionError, AttributeError, RuntimeError):
+        tp_rank = "?"
+    ranks = f"TP rank {tp_rank} of {tp_size}"
+    return ranks + (f", DCP rank {dcp_rank} of {dcp_size}" if dcp_size > 1 else "")
+
+
+def startup_line(step: LayerStep, device: torch.device, ranks: str = "") -> str:
+    """The INFO line every worker logs once when the backend serves its DSA layers (README: "Use it in vLLM").
+
+    ranks: the worker's ranks (`worker_ranks`), shown after the GPU; "" leaves them out.
+    """
     from vllm_kimi_dsa import __version__
 
     shape = step.shape
@@ -159,6 +178,8 @@ def startup_line(step: LayerStep, device: torch.device) -> str:
         gpu = f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
     else:
         gpu = str(device)
+    if ranks:
+        gpu = f"{gpu}, {ranks}"
     dcp = f" ({shape.heads // shape.dcp} a rank x DCP {shape.dcp})" if shape.dcp > 1 else ""
     return (
         f"{STARTUP_PREFIX} {__version__} serves FLASHINFER_MLA_SPARSE on {gpu}: {_kernel_family(step)}; "
@@ -167,11 +188,51 @@ def startup_line(step: LayerStep, device: torch.device) -> str:
     )
 
 
+class KimiDSAFlashInferMLASparseMetadataBuilder(FlashInferMLASparseTRTLLMMetadataBuilder):
+    """vLLM's FLASHINFER_MLA_SPARSE metadata builder, less trtllm-gen's DCP workspace where vLLM's code never runs it.
+
+    vLLM's builder sizes FlashInfer's module-wide workspace under DCP at construction, for trtllm-gen's softmax-stats
+    slab at max_num_batched_tokens rows: 394 MiB + 2048 x heads x max_num_batched_tokens bytes (about 2.5 GB at 128
+    heads and 8,192 batched tokens). Only vLLM's own impl code (`_forward_mqa_kernel` of a layer the core does not
+    serve: a BF16 cache on Blackwell) reads that buffer. A layer the core serves reads none of it: on Hopper no
+    trtllm-gen kernel runs; on Blackwell the core's trtllm-gen kernel (where its table names it) sizes its own
+    workspace for the rows one launch takes (backends/flashinfer/trtllm.py), and prims_ts plans its own. So the
+    buffer is taken only for layers vLLM's code runs. Everything else (metadata, reorder threshold, CUDA-graph
+    support) is vLLM's.
+    """
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        # vLLM's FlashInferMLASparseTRTLLMMetadataBuilder.__init__ without its unconditional allocation
+        FlashInferMLASparseMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        self.supports_draft_decode_metadata_update = (
+            self.dcp_world_size == 1
+            and self.pcp_world_size == 1
+            and vllm_config.attention_config.hisparse_config is None
+        )
+        self.vllm_trtllm_layers = [name for name in layer_names if _vllm_code_runs(vllm_config, name)]
+        if self.dcp_world_size > 1 and self.vllm_trtllm_layers:
+            heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            vllm_flashinfer_sparse._get_workspace_buffer(
+                device,
+                vllm_flashinfer_sparse._required_workspace_bytes(
+                    self.dcp_world_size, heads, vllm_config.scheduler_config.max_num_batched_tokens
+                ),
+            )
+
+
+def _vllm_code_runs(vllm_config: Any, layer_name: str) -> bool:
+    """Whether vLLM's own FlashInferMLASparseImpl code (trtllm-gen on vLLM's workspace) runs layer `layer_name`:
+    a layer the core does not serve, or one this module did not build."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    impl = getattr(layer, "impl", None)
+    return not isinstance(impl, KimiDSAFlashInferMLASparseImpl) or not impl.served_by_core
+
+
 class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     """FLASHINFER_MLA_SPARSE on SM90 and SM100/103, with the sparse decode through FlashInferCore.
 
-    Same name, metadata builder, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the
-    nvfp4_ds_mla cache.
+    Same name, block sizes and CUDA-graph support as vLLM's class (it only adds): SM90, and the nvfp4_ds_mla cache.
+    Its metadata builder is vLLM's, less trtllm-gen's DCP workspace where vLLM's code never runs trtllm-gen.
     """
 
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
@@ -182,6 +243,10 @@ class KimiDSAFlashInferMLASparseBackend(FlashInferMLASparseTRTLLMBackend):
     @staticmethod
     def get_impl_cls() -> type[MLAAttentionImpl]:
         return KimiDSAFlashInferMLASparseImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KimiDSAFlashInferMLASparseMetadataBuilder]:
+        return KimiDSAFlashInferMLASparseMetadataBuilder
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
@@ -281,8 +346,11 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
             )
         self._step = LayerStep(self, layer, self.step_shape(device, width))
         self._step_scales = (float(layer._q_scale_float), float(layer._k_scale_float))
-        # Once a process (every layer gives the same line): the worker's logging is configured by now.
-        logger.info_once(startup_line(self._step, device))
+        # Once a process (every layer gives the same line), in every worker: vLLM's default scope ("local") would
+        # keep only local rank 0's. The worker's logging is configured by now.
+        tp = int(getattr(getattr(self._vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        ranks = worker_ranks(tp, self.dcp_world_size, self.dcp_rank)
+        logger.info_once(startup_line(self._step, device, ranks), scope="process")
         return self._step
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -329,9 +397,11 @@ __all__ = [
     "CORE_CACHE_DTYPES",
     "KimiDSAFlashInferMLASparseBackend",
     "KimiDSAFlashInferMLASparseImpl",
+    "KimiDSAFlashInferMLASparseMetadataBuilder",
     "NVFP4_WRITER_NEEDS_SM100",
     "STARTUP_PREFIX",
     "core_rejects",
     "startup_line",
     "vllm_path_takes",
+    "worker_ranks",
 ]
