@@ -172,142 +172,6 @@ def test_check_step_catches_a_planted_fault(tmp_path_factory, fault):
     REPORT.setdefault("negative_controls", {})[fault] = "caught"
 
 
-# ---------------------------------------------------------------- CUDA graphs, as vLLM captures this model
-
-
-def allocations() -> int:
-    """The caching allocator's count of allocations so far (a replay that allocates nothing leaves it unchanged)."""
-    return torch.cuda.memory_stats()["allocation.all.allocated"]
-
-
-def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None, per: int = 1):
-    """A uniform decode batch of n requests of `per` query tokens each (1 + MTP's draft tokens); with `static`, its
-    values copied into static's tensors (the runner's persistent inputs: a graph reads the addresses it was captured
-    with)."""
-    tokens = n * per
-    # contexts up to 3500 tokens, as many as the rig's cache holds for n requests (seen on the H100 2026-12-07: 8
-    # requests of up to 3500 outgrew its 256 blocks)
-    high = min(3500, (r.num_blocks // n - 1) * rig.BLOCK - per)
-    fresh = r.batch([rig.Request(int(c), per) for c in torch.randint(1, high, (n,), generator=r.gen)],
-                    empty_rows=(tokens - 1,) if tokens > 2 else ())
-    if static is None:
-        width = r.num_blocks  # room for any request of the test: the table keeps one shape
-        table = torch.zeros((n, width), dtype=torch.int32, device=r.device)
-        table[:, : fresh.block_table.shape[1]] = fresh.block_table
-        fresh.block_table = table
-        return fresh
-    static.block_table.zero_()
-    static.block_table[:, : fresh.block_table.shape[1]] = fresh.block_table
-    for name in ("positions", "hidden", "topk", "slot_mapping", "query_start_loc", "seq_lens", "req_of_token"):
-        getattr(static, name).copy_(getattr(fresh, name))
-    static.requests = fresh.requests
-    return static
-
-
-def _counting(obj, name: str, counter: list[int]) -> None:
-    """Wrap obj.name (a replay method) so each call adds one to counter[0]."""
-    inner = getattr(obj, name)
-
-    def counted(*args, **kwargs):
-        counter[0] += 1
-        return inner(*args, **kwargs)
-
-    setattr(obj, name, counted)
-
-
-GRAPH_LAYOUTS = [(128, 0), (16, 0), (8, 0), (128, 1)]
-
-
-@pytest.mark.parametrize("heads, spec_tokens", GRAPH_LAYOUTS, ids=["h128", "h16", "h8", "h128-mtp1"])
-@pytest.mark.parametrize("wrapper", ["full", "breakable"])
-def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper, heads, spec_tokens):
-    """Uniform decode batches captured at several of vLLM's capture sizes: FULL through vLLM's CUDAGraphWrapper (how
-    vLLM runs uniform decode batches: the backend's decode inside the graph) and PIECEWISE through vLLM's
-    BreakableCUDAGraphWrapper (VLLM_USE_BREAKABLE_CUDAGRAPH, on for DeepSeek-V3.2: the attention an eager break), at
-    128, 16 and 8 heads and with MTP rows (2 query tokens a request). Each size is captured once (the wrapper holds
-    one graph a size, with one eager break in the breakable one) and replayed once on new inputs (counted), the
-    backend running in the eager break at that replay: equal to an eager step on the same inputs bit for bit, no
-    allocation by the backend in the replay (none at all in FULL)."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
-    from vllm.compilation.cuda_graph import CUDAGraphWrapper
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import BatchDescriptor
-
-    r = layer_rig(tmp_path_factory, heads, spec_tokens)
-    per = 1 + spec_tokens
-    capture_sizes = r.config.compilation_config.cudagraph_capture_sizes
-    sizes = [s for s in capture_sizes if s % per == 0 and s // per in (1, 2, 4, 8)]
-    sizes = sizes[:3] if per > 1 else [s for s in sizes if s in (1, 4, 8)]
-    assert sizes, capture_sizes
-    mode = CUDAGraphMode.FULL if wrapper == "full" else CUDAGraphMode.PIECEWISE
-
-    def run_layer(positions, hidden):
-        return r.layer(positions, hidden)
-
-    graphed = (CUDAGraphWrapper(run_layer, r.config, runtime_mode=mode) if wrapper == "full"
-               else BreakableCUDAGraphWrapper(run_layer, r.config, runtime_mode=mode))
-    r.spying = False
-    try:
-        for captured, tokens in enumerate(sizes, 1):
-            n = tokens // per
-            static = _graph_batch(r, n, None, per)
-            descriptor = BatchDescriptor(num_tokens=tokens, num_reqs=n, uniform=True)
-            r.topk_buffer[:tokens].copy_(static.topk)
-            r.forward(static)  # warm-up, as vLLM runs before capture (compiles every kernel of the step)
-            with r.forward_context(static, r.metadata(static), mode=mode, descriptor=descriptor):
-                graphed(static.positions, static.hidden)  # capture
-            replays = [0]
-            if wrapper == "full":
-                entries = graphed.concrete_cudagraph_entries
-                assert len(entries) == captured and entries[descriptor].cudagraph is not None, "no graph captured"
-                _counting(entries[descriptor].cudagraph, "replay", replays)
-                segments = None
-            else:
-                entries = graphed.entries
-                assert len(entries) == captured and entries[descriptor].capture is not None, "no graph captured"
-                capture = entries[descriptor].capture
-                assert capture.num_eager_breaks == 1 and capture.num_graphs >= 1, repr(capture)
-                segments = (capture.num_graphs, capture.num_eager_breaks)
-                _counting(capture, "replay", replays)
-            _graph_batch(r, n, static, per)  # new inputs, same addresses
-            r.topk_buffer[:tokens].copy_(static.topk)
-            metadata = r.metadata(static)
-            torch.cuda.synchronize()
-            ours: list[int] = []  # the backend's own allocations (breakable: its call runs in an eager segment)
-            kernel = r.impl._forward_mqa_kernel
-
-            def counting(*args, **kwargs):
-                start = allocations()
-                result = kernel(*args, **kwargs)
-                ours.append(allocations() - start)
-                return result
-
-            r.impl._forward_mqa_kernel = counting
-            before = allocations()
-            try:
-                with r.forward_context(static, metadata, mode=mode, descriptor=descriptor):
-                    replayed = graphed(static.positions, static.hidden)
-                torch.cuda.synchronize()
-            finally:
-                r.impl._forward_mqa_kernel = kernel
-            allocated = allocations() - before
-            replayed = replayed.clone()
-            eager = r.forward(static)
-            REPORT.setdefault(f"graph_{wrapper}_h{heads}s{spec_tokens}", {})[str(tokens)] = found = {
-                "bit_equal": bool(torch.equal(replayed, eager)), "replay_allocations": allocated,
-                "backend_allocations": sum(ours), "backend_calls_in_replay": len(ours), "replays": replays[0],
-                "graphs_held": len(entries), "segments": segments}
-            assert replays[0] == 1, f"{wrapper}: {replays[0]} replays of the {tokens}-token graph, expected 1"
-            assert found["bit_equal"], f"{wrapper} graph of {tokens} rows differs from eager"
-            assert sum(ours) == 0, f"the backend allocated {sum(ours)} times in a {wrapper} replay of {tokens} rows"
-            if wrapper == "full":  # the whole step is one graph: nothing at all may allocate, nothing eager runs
-                assert allocated == 0 and not ours, f"FULL replay of {tokens} rows allocated {allocated} times"
-            else:  # the attention is the eager break: the backend runs in it at every replay
-                assert len(ours) == 1, f"the backend ran {len(ours)} times in the replay's eager break"
-    finally:
-        r.spying = True
-
-
 # ---------------------------------------------------------------- DCP 2, merged by vLLM's MLADCPManager
 
 
@@ -396,6 +260,149 @@ def test_dcp2_merged_by_mladcpmanager_equals_tp(tmp_path_factory, monkeypatch):
     with pytest.raises(AssertionError):
         _check_merge(flipped.float(), ref)
     REPORT["dcp2_mladcpmanager"]["flipped_base_caught"] = True
+
+
+# ---------------------------------------------------------------- CUDA graphs, as vLLM captures this model
+# (last in the module: a capture that fails midway leaves the CUDA generator in capture mode for later tests)
+
+
+def allocations() -> int:
+    """The caching allocator's count of allocations so far (a replay that allocates nothing leaves it unchanged)."""
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+
+def _graph_batch(r: rig.LayerRig, n: int, static: rig.Batch | None, per: int = 1):
+    """A uniform decode batch of n requests of `per` query tokens each (1 + MTP's draft tokens); with `static`, its
+    values copied into static's tensors (the runner's persistent inputs: a graph reads the addresses it was captured
+    with)."""
+    tokens = n * per
+    # contexts up to 3500 tokens, as many as the rig's cache holds for n requests (seen on the H100 2026-12-07: 8
+    # requests of up to 3500 outgrew its 256 blocks)
+    high = min(3500, (r.num_blocks // n - 1) * rig.BLOCK - per)
+    fresh = r.batch([rig.Request(int(c), per) for c in torch.randint(1, high, (n,), generator=r.gen)],
+                    empty_rows=(tokens - 1,) if tokens > 2 else ())
+    if static is None:
+        width = r.num_blocks  # room for any request of the test: the table keeps one shape
+        table = torch.zeros((n, width), dtype=torch.int32, device=r.device)
+        table[:, : fresh.block_table.shape[1]] = fresh.block_table
+        fresh.block_table = table
+        return fresh
+    static.block_table.zero_()
+    static.block_table[:, : fresh.block_table.shape[1]] = fresh.block_table
+    for name in ("positions", "hidden", "topk", "slot_mapping", "query_start_loc", "seq_lens", "req_of_token"):
+        getattr(static, name).copy_(getattr(fresh, name))
+    static.requests = fresh.requests
+    return static
+
+
+def _counting(obj, name: str, counter: list[int]) -> None:
+    """Wrap obj.name (a replay method) so each call adds one to counter[0]."""
+    inner = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+
+
+GRAPH_LAYOUTS = [(128, 0), (16, 0), (8, 0), (128, 1)]
+# Every wrapper stays alive to the end of the module, as vLLM's model runner keeps its graphs for the engine's life:
+# all wrappers capture into vLLM's one global graph pool, and capturing into it again after every graph of it was
+# freed trips torch's CachingHostAllocator (`use_count > 0` in create_or_incref_pool; torch 2.11 on the H100,
+# 2026-12-07), which then leaves the CUDA generator in capture mode for every later test.
+_HELD_GRAPHS: list = []
+
+
+@pytest.mark.parametrize("heads, spec_tokens", GRAPH_LAYOUTS, ids=["h128", "h16", "h8", "h128-mtp1"])
+@pytest.mark.parametrize("wrapper", ["full", "breakable"])
+def test_cuda_graph_replay_equals_eager(tmp_path_factory, wrapper, heads, spec_tokens):
+    """Uniform decode batches captured at several of vLLM's capture sizes: FULL through vLLM's CUDAGraphWrapper (how
+    vLLM runs uniform decode batches: the backend's decode inside the graph) and PIECEWISE through vLLM's
+    BreakableCUDAGraphWrapper (VLLM_USE_BREAKABLE_CUDAGRAPH, on for DeepSeek-V3.2: the attention an eager break), at
+    128, 16 and 8 heads and with MTP rows (2 query tokens a request). Each size is captured once (the wrapper holds
+    one graph a size, with one eager break in the breakable one) and replayed once on new inputs (counted), the
+    backend running in the eager break at that replay: equal to an eager step on the same inputs bit for bit, no
+    allocation by the backend in the replay (none at all in FULL)."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    r = layer_rig(tmp_path_factory, heads, spec_tokens)
+    per = 1 + spec_tokens
+    capture_sizes = r.config.compilation_config.cudagraph_capture_sizes
+    sizes = [s for s in capture_sizes if s % per == 0 and s // per in (1, 2, 4, 8)]
+    sizes = sizes[:3] if per > 1 else [s for s in sizes if s in (1, 4, 8)]
+    assert sizes, capture_sizes
+    mode = CUDAGraphMode.FULL if wrapper == "full" else CUDAGraphMode.PIECEWISE
+
+    def run_layer(positions, hidden):
+        return r.layer(positions, hidden)
+
+    graphed = (CUDAGraphWrapper(run_layer, r.config, runtime_mode=mode) if wrapper == "full"
+               else BreakableCUDAGraphWrapper(run_layer, r.config, runtime_mode=mode))
+    _HELD_GRAPHS.append(graphed)
+    r.spying = False
+    try:
+        for captured, tokens in enumerate(sizes, 1):
+            n = tokens // per
+            static = _graph_batch(r, n, None, per)
+            descriptor = BatchDescriptor(num_tokens=tokens, num_reqs=n, uniform=True)
+            r.topk_buffer[:tokens].copy_(static.topk)
+            r.forward(static)  # warm-up, as vLLM runs before capture (compiles every kernel of the step)
+            with r.forward_context(static, r.metadata(static), mode=mode, descriptor=descriptor):
+                graphed(static.positions, static.hidden)  # capture
+            replays = [0]
+            if wrapper == "full":
+                entries = graphed.concrete_cudagraph_entries
+                assert len(entries) == captured and entries[descriptor].cudagraph is not None, "no graph captured"
+                _counting(entries[descriptor].cudagraph, "replay", replays)
+                segments = None
+            else:
+                entries = graphed.entries
+                assert len(entries) == captured and entries[descriptor].capture is not None, "no graph captured"
+                capture = entries[descriptor].capture
+                assert capture.num_eager_breaks == 1 and capture.num_graphs >= 1, repr(capture)
+                segments = (capture.num_graphs, capture.num_eager_breaks)
+                _counting(capture, "replay", replays)
+            _graph_batch(r, n, static, per)  # new inputs, same addresses
+            r.topk_buffer[:tokens].copy_(static.topk)
+            metadata = r.metadata(static)
+            torch.cuda.synchronize()
+            ours: list[int] = []  # the backend's own allocations (breakable: its call runs in an eager segment)
+            kernel = r.impl._forward_mqa_kernel
+
+            def counting(*args, **kwargs):
+                start = allocations()
+                result = kernel(*args, **kwargs)
+                ours.append(allocations() - start)
+                return result
+
+            r.impl._forward_mqa_kernel = counting
+            before = allocations()
+            try:
+                with r.forward_context(static, metadata, mode=mode, descriptor=descriptor):
+                    replayed = graphed(static.positions, static.hidden)
+                torch.cuda.synchronize()
+            finally:
+                r.impl._forward_mqa_kernel = kernel
+            allocated = allocations() - before
+            replayed = replayed.clone()
+            eager = r.forward(static)
+            REPORT.setdefault(f"graph_{wrapper}_h{heads}s{spec_tokens}", {})[str(tokens)] = found = {
+                "bit_equal": bool(torch.equal(replayed, eager)), "replay_allocations": allocated,
+                "backend_allocations": sum(ours), "backend_calls_in_replay": len(ours), "replays": replays[0],
+                "graphs_held": len(entries), "segments": segments}
+            assert replays[0] == 1, f"{wrapper}: {replays[0]} replays of the {tokens}-token graph, expected 1"
+            assert found["bit_equal"], f"{wrapper} graph of {tokens} rows differs from eager"
+            assert sum(ours) == 0, f"the backend allocated {sum(ours)} times in a {wrapper} replay of {tokens} rows"
+            if wrapper == "full":  # the whole step is one graph: nothing at all may allocate, nothing eager runs
+                assert allocated == 0 and not ours, f"FULL replay of {tokens} rows allocated {allocated} times"
+            else:  # the attention is the eager break: the backend runs in it at every replay
+                assert len(ours) == 1, f"the backend ran {len(ours)} times in the replay's eager break"
+    finally:
+        r.spying = True
 
 
 def _check_merge(merged: torch.Tensor, ref: torch.Tensor) -> None:
