@@ -627,7 +627,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world.size > 1 or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, min(16, (os.cpu_count() or 1) // world.size)))
     try:
-        return run(args, world)
+        rc = run(args, world)
+        # Every rank past its last collective before any tears the group down: rank 0 (which hosts the store)
+        # finishing first and destroying its gloo group while rank 1 was still talking to it aborted rank 0 at exit
+        # once in a full CPU run ("terminate called without an active exception", rc -6, its report already written).
+        world.barrier()
+        return rc
     finally:
         if world.dist_on:
             import torch.distributed as dist
