@@ -6,6 +6,7 @@ stand-in of flash_mla_sparse_fwd that checks the arguments vLLM's `_bf16_flash_m
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,7 @@ def test_harness_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     build.proc.kill()
     build.proc.wait()
     build.log.close()
+    os.unlink(build.log.name)
 
 
 def test_plot_renders_the_prefill_section() -> None:

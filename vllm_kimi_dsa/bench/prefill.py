@@ -351,6 +351,7 @@ class PeerBuild:
             rc = -9
         self.log.close()
         text = Path(self.log.name).read_text(errors="replace")
+        Path(self.log.name).unlink(missing_ok=True)  # what the run needs of it is kept in info ("tail", records)
         records = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
         info = {"rc": rc, "wall_s": round(time.perf_counter() - self.t0, 1), "records": records,
                 "tail": text[-1500:] if rc else ""}

@@ -320,6 +320,7 @@ class PeerBuilds:
                 rc = -9
             f.close()
             text = Path(f.name).read_text(errors="replace")
+            Path(f.name).unlink(missing_ok=True)  # what the run needs of it is kept in res ("tail", records)
             lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
             res[kind] = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": lines,
                          "tail": text[-1500:] if rc else ""}
