@@ -142,11 +142,12 @@ def test_nvfp4_on_hopper_is_refused_because_vllm_cannot_write_it(tmp_path, arch)
         vh.select_backend(config, "nvfp4_ds_mla")
 
 
-def test_sm90_cannot_assemble_vllms_nvfp4_conversion():
+def test_sm90_cannot_assemble_vllms_nvfp4_conversion(tmp_path):
     """The fact behind that refusal, checked with Triton's own ptxas (no GPU; outside the interpreter this process
-    runs): should SM90 ever assemble vLLM's e2m1 conversion, this fails and the refusal is to be revisited."""
+    runs): should SM90 ever assemble vLLM's e2m1 conversion, this fails and the refusal is to be revisited.
+    TMPDIR: Triton keeps the PTX that ptxas refused in a temporary file; it goes to this test's folder."""
     probe = Path(__file__).resolve().parents[1] / "tools" / "e2m1_cvt_probe.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_")]
     assert lines[0].startswith("sm_90: does not assemble") and "e2m1x2" in lines[0], done.stdout + done.stderr[-800:]
