@@ -110,7 +110,8 @@ peer_env() {
     FLASHINFER_CUDA_ARCH_LIST=9.0a
   local ch; ch=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
   if [ ! -e "$ch/lib64/stubs/libcuda.so" ] && [ ! -e "$ch/lib64/libcuda.so" ]; then
-    mkdir -p /tmp/culink && ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so
+    [ -n "${DRY:-}" ] || { mkdir -p /tmp/culink &&
+      ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so; }
     export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/culink
   fi
 }
