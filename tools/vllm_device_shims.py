@@ -78,7 +78,7 @@ def _empty_unless_it_loads(name: str, hides: str, shim: str) -> str:
     if error is None:
         return REAL
     _placeholder(name, hides)
-    return error if shim in _decided else f"placeholder ({error})"
+    return f"placeholder ({error})"
 
 
 def stable_libtorch() -> str:
@@ -143,8 +143,6 @@ def flash_attn() -> str:
                  "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
                  "is_fa_version_supported"):
         setattr(module, attr, getattr(interface, attr))
-    if "flash_attn" in _decided:
-        return error
     return f"interface only, FA2 {interface.FA2_AVAILABLE}, FA3 {interface.FA3_AVAILABLE} ({error})"
 
 
@@ -169,7 +167,7 @@ def fused_q_cutedsl() -> str:
         raise RuntimeError("vllm_device_shims: CuTeDSL (cutlass) is not on this machine")
 
     module.fused_q_cutedsl = fused_q_cutedsl
-    return error if "fused_q_cutedsl" in _decided else f"placeholder (cutlass {error})"
+    return f"placeholder (cutlass {error})"
 
 
 SHIMS = (stable_libtorch, deep_gemm, flash_attn, fused_q_cutedsl)
@@ -182,7 +180,8 @@ def install() -> dict[str, str]:
     if not REPORT:
         _decided.update(json.loads(os.environ.get(DECISIONS_ENV) or "{}"))
         for shim in SHIMS:
-            REPORT[shim.__name__] = shim()
+            done = shim()
+            REPORT[shim.__name__] = _decided.get(shim.__name__, done)  # a parent's decision reads as it did there
         os.environ[DECISIONS_ENV] = json.dumps(REPORT)
     return REPORT
 
