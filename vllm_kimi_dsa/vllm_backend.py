@@ -348,8 +348,7 @@ class KimiDSAFlashInferMLASparseImpl(FlashInferMLASparseImpl):
         self._step_scales = (float(layer._q_scale_float), float(layer._k_scale_float))
         # Once a process (every layer gives the same line), in every worker: vLLM's default scope ("local") would
         # keep only local rank 0's. The worker's logging is configured by now.
-        tp = int(getattr(getattr(self._vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
-        ranks = worker_ranks(tp, self.dcp_world_size, self.dcp_rank)
+        ranks = worker_ranks(_parallel_sizes(self._vllm_config).get("tp", 1), self.dcp_world_size, self.dcp_rank)
         logger.info_once(startup_line(self._step, device, ranks), scope="process")
         return self._step
 
