@@ -33,7 +33,7 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def decode_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in data["results"] if r.get("section") == "decode" and "us" in r]
+    return _section(data, "decode")
 
 
 def _series(recs: list[dict[str, Any]], kernel: str, heads: int, key: str) -> tuple[list[int], list[float]]:
@@ -194,52 +194,45 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
         lines.append("")
     acc = data.get("accuracy", [])
     if acc and all("tolerance" in a for a in acc):
-        lines += ["**Error vs float32 on the BF16 source values** (each kernel on its own quantization of the same "
-                  "source; tolerance = 2x the rel L2 predicted from the kernel's measured rounding of this data)", "",
-                  "| kernel | rows | H | rel L2 | tolerance | within | vs its own values | holds |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for a in sorted(acc, key=lambda a: (-a["heads"], a["rows"], a["kernel"])):
-            own = f"{a['rel_l2_own']:.2e}" if "rel_l2_own" in a else "-"
-            lines.append(f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['tolerance']:.2e} | "
-                         f"{'yes' if a['within_tolerance'] else 'NO'} | {own} | {a.get('holds', '')} |")
+        lines += _table(
+            "**Error vs float32 on the BF16 source values** (each kernel on its own quantization of the same source; "
+            "tolerance = 2x the rel L2 predicted from the kernel's measured rounding of this data)",
+            ["kernel", "rows", "H", "rel L2", "tolerance", "within", "vs its own values", "holds"],
+            (f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['tolerance']:.2e} | "
+             f"{'yes' if a['within_tolerance'] else 'NO'} | "
+             f"{_sci(a, 'rel_l2_own')} | {a.get('holds', '')} |"
+             for a in sorted(acc, key=lambda a: (-a["heads"], a["rows"], a["kernel"]))))
         pv = info.get("fp8_pv_default")
         if pv:
-            lines += ["", f"FP8 P.V ({pv['rule']}): {pv['verdict']}."]
-        lines.append("")
+            lines += [f"FP8 P.V ({pv['rule']}): {pv['verdict']}.", ""]
     elif acc:
-        lines += ["**Error vs the float32 reference** (ragged counts, -1 tails; nvfp4 also vs the fp8 rows it was "
-                  "packed from: its own rounding included)", "",
-                  "| kernel | rows | H | rel L2 | max abs | nvfp4: rel L2 vs its source |", "|---|---|---|---|---|---|"]
-        for a in sorted(acc, key=lambda a: (a["kernel"], a["rows"], -a["heads"])):
-            src = f"{a['rel_l2_source']:.2e}" if "rel_l2_source" in a else "-"
-            lines.append(f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['max_abs']:.2e} "
-                         f"| {src} |")
-        lines.append("")
-    conv = [r for r in data["results"] if r.get("section") == "convert" and "us" in r]
+        lines += _table(
+            "**Error vs the float32 reference** (ragged counts, -1 tails; nvfp4 also vs the fp8 rows it was packed "
+            "from: its own rounding included)",
+            ["kernel", "rows", "H", "rel L2", "max abs", "nvfp4: rel L2 vs its source"],
+            (f"| {a['kernel']} | {a['rows']} | {a['heads']} | {a['rel_l2']:.2e} | {a['max_abs']:.2e} | "
+             f"{_sci(a, 'rel_l2_source')} |"
+             for a in sorted(acc, key=lambda a: (a["kernel"], a["rows"], -a["heads"]))))
+    conv = _section(data, "convert")
     if conv:
-        lines += ["**Converter vs a copy of the same bytes** (rows·K·4 read + written)", "",
-                  "| rows | convert µs | copy µs | ratio |", "|---|---|---|---|"]
-        for r in sorted(conv, key=lambda r: r["rows"]):
-            lines.append(f"| {r['rows']} | {r['us']:.2f} | {r['copy_us']:.2f} | {r['vs_copy']:.2f} |")
-        lines.append("")
-    fused = [r for r in data["results"] if r.get("section") == "fused" and "us" in r]
+        lines += _table("**Converter vs a copy of the same bytes** (rows·K·4 read + written)",
+                        ["rows", "convert µs", "copy µs", "ratio"],
+                        (f"| {r['rows']} | {r['us']:.2f} | {r['copy_us']:.2f} | {r['vs_copy']:.2f} |"
+                         for r in sorted(conv, key=lambda r: r["rows"])))
+    fused = _section(data, "fused")
     if fused:
-        lines += ["**Convert + decode in one graph vs decode alone** (triton, fp8)", "",
-                  "| rows | H | both µs | decode µs | convert adds µs |", "|---|---|---|---|---|"]
-        for r in sorted(fused, key=lambda r: (-r["heads"], r["rows"])):
-            lines.append(f"| {r['rows']} | {r['heads']} | {r['us']:.2f} | {r['decode_us']:.2f} | "
-                         f"{r['convert_overhead_us']:.2f} |")
-        lines.append("")
-    base = [r for r in data["results"] if r.get("section") == "torch" and "us" in r]
+        lines += _table("**Convert + decode in one graph vs decode alone** (triton, fp8)",
+                        ["rows", "H", "both µs", "decode µs", "convert adds µs"],
+                        (f"| {r['rows']} | {r['heads']} | {r['us']:.2f} | {r['decode_us']:.2f} | "
+                         f"{r['convert_overhead_us']:.2f} |" for r in sorted(fused, key=lambda r: (-r["heads"], r["rows"]))))
+    base = _section(data, "torch")
     if base:
-        lines += ["**Plain torch** (gather, dequantize to BF16, BF16 bmm)", "",
-                  "| rows | H | µs | TFLOP/s-eq |", "|---|---|---|---|"]
-        for r in sorted(base, key=lambda r: (-r["heads"], r["rows"])):
-            lines.append(f"| {r['rows']} | {r['heads']} | {r['us']:.1f} | {r['tflops']:.1f} |")
-        lines.append("")
+        lines += _table("**Plain torch** (gather, dequantize to BF16, BF16 bmm)", ["rows", "H", "µs", "TFLOP/s-eq"],
+                        (f"| {r['rows']} | {r['heads']} | {r['us']:.1f} | {r['tflops']:.1f} |"
+                         for r in sorted(base, key=lambda r: (-r["heads"], r["rows"]))))
     if data.get("prefill"):
         lines += ["**Prefill** (one chunk through serving.LayerStep, eager, vs FlashMLA's sparse prefill as vLLM runs "
-                  "it; µs (TFLOP/s-eq; fraction of the floor))", "", prefill_markdown(data["prefill"]), ""]
+                  "it; µs (TFLOP/s-eq; fraction of the floor))", "", prefill_table(data["prefill"]), ""]
     fails = data.get("failures", [])
     if fails:
         lines.append(f"{len(fails)} measurement(s) failed: " + "; ".join(
@@ -247,9 +240,19 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
     return "\n".join(lines).rstrip() + "\n"
 
 
-def prefill_markdown(section: dict[str, Any]) -> str:
-    """The prefill section's table (bench.prefill.prefill_table)."""
-    return prefill_table(section)
+def _section(data: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    """The measured records of one of the suite's sections."""
+    return [r for r in data["results"] if r.get("section") == section and "us" in r]
+
+
+def _sci(record: dict[str, Any], key: str) -> str:
+    """record[key] as 1.23e-03, "-" where the record has none."""
+    return f"{record[key]:.2e}" if key in record else "-"
+
+
+def _table(title: str, columns: list[str], rows: Any) -> list[str]:
+    """A titled markdown table (its body `rows` already formatted as table lines), then a blank line."""
+    return [title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
