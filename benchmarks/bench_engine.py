@@ -228,16 +228,27 @@ def _logprob_rows(output, vocab: int) -> list[list[float]]:
     return rows
 
 
-def _profile_decode(llm, batch: list[list[int]], params_cls) -> dict[str, Any]:
+def _greedy(tokens: int, **kwargs: Any) -> Any:
+    """vLLM's SamplingParams for `tokens` greedy tokens past any EOS."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, **kwargs)
+
+
+def _token_prompts(batch: list[list[int]]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=p) for p in batch]
+
+
+def _profile_decode(llm, inputs: list[Any]) -> dict[str, Any]:
     """GPU kernel time by kernel over a 17-token and a 1-token generation; the attention share of the difference."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm.inputs import TokensPrompt
 
     def kernel_times(tokens: int) -> dict[str, float]:
-        params = params_cls(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+            llm.generate(inputs, _greedy(tokens), use_tqdm=False)
             torch.cuda.synchronize()
         times: dict[str, float] = {}
         for event in prof.key_averages():
@@ -258,18 +269,16 @@ def _attention_impls(model) -> list[str]:
     return sorted({f"{type(m.impl).__module__}.{type(m.impl).__name__}" for m in model.modules() if hasattr(m, "impl")})
 
 
-def bench_batch(llm, requests: int, seed: int, params_cls, profile: bool) -> dict[str, Any]:
+def bench_batch(llm, requests: int, seed: int, profile: bool) -> dict[str, Any]:
     import torch
-    from vllm.inputs import TokensPrompt
 
     batch = prompts(prompt_lengths(requests, seed), seed)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in batch]
+    inputs = _token_prompts(batch)
 
     def timed(tokens: int) -> float:
-        params = params_cls(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        llm.generate(inputs, params, use_tqdm=False)
+        llm.generate(inputs, _greedy(tokens), use_tqdm=False)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -279,7 +288,7 @@ def bench_batch(llm, requests: int, seed: int, params_cls, profile: bool) -> dic
     row = {"requests": requests, "prompt_tokens": sum(map(len, batch)), "t1_s": t1, "t64_s": t64,
            "tokens_per_s": requests * (OUTPUT_TOKENS - 1) / (t64 - t1) if t64 > t1 else None}
     if profile:
-        row.update(_profile_decode(llm, batch, params_cls))
+        row.update(_profile_decode(llm, inputs))
     return row
 
 
@@ -305,8 +314,7 @@ def worker(args: argparse.Namespace) -> int:
             result["shims"] = _install_device_shims()
         save()
         import torch
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM
 
         _register_seeded_loader()
         if args.scale_error != 1.0:
@@ -341,9 +349,8 @@ def worker(args: argparse.Namespace) -> int:
         save()
         # blocks of 37 ids repeated: n-gram speculation finds drafts in them, and every engine gets the same prompts
         batch = prompts(prompt_lengths(args.check_requests, seed=7), seed=7, repeat=CHECK_REPEAT)
-        params = SamplingParams(temperature=0.0, max_tokens=args.check_tokens, ignore_eos=True,
-                                logprobs=None if args.spec else -1)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        outputs = llm.generate(_token_prompts(batch), _greedy(args.check_tokens, logprobs=None if args.spec else -1),
+                               use_tqdm=False)
         result["check"] = [
             {"prompt_len": len(p), "tokens": list(o.outputs[0].token_ids),
              "logprobs": _logprob_rows(o.outputs[0], VOCAB) if not args.spec else None}
@@ -353,8 +360,7 @@ def worker(args: argparse.Namespace) -> int:
         result["stage"] = "throughput"
         result["throughput"] = []
         for requests in args.batches:
-            result["throughput"].append(bench_batch(llm, requests, seed=100 + requests,
-                                                    params_cls=SamplingParams, profile=args.profile))
+            result["throughput"].append(bench_batch(llm, requests, seed=100 + requests, profile=args.profile))
             save()
         result["stage"] = "done"
         save()
@@ -440,11 +446,9 @@ def run(args: argparse.Namespace) -> int:
             ok = False
         for backend in (OURS, FLASHMLA):
             for row in runs[backend].get("throughput") or []:
-                rows.append({"backend": backend, "heads": heads, "requests": row["requests"],
-                             "tokens_per_s": row["tokens_per_s"], "attention_share": row.get("attention_share"),
-                             "gpu": runs[backend].get("gpu"), **{k: row[k] for k in row
-                                                                 if k not in ("requests", "tokens_per_s",
-                                                                              "attention_share")}})
+                # the issue's row {backend, heads, requests, tokens_per_s, attention_share, gpu}, then the rest
+                rows.append({"backend": backend, "heads": heads, "attention_share": None,
+                             "gpu": runs[backend].get("gpu"), **row})
         report["heads"][heads] = summary
         (out_dir / "engine_report.json").write_text(json.dumps(report, indent=1))
         (out_dir / "engine.json").write_text(json.dumps(rows, indent=1))

@@ -133,3 +133,16 @@ def test_seeded_loader_gives_trained_sizes_the_same_in_every_engine():
     assert a.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert torch.all(a.norm.weight == 1) and torch.all(a.norm.bias == 0) and torch.all(a.proj.bias == 0)
     assert not torch.equal(a.proj.weight, a.proj2.weight)
+
+
+def test_greedy_params_and_prompts_are_vllms_own():
+    """What every engine of the run is asked: greedy, past EOS, the full vocabulary's log-probabilities when asked,
+    token-id prompts (no tokenizer)."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    params = be._greedy(12, logprobs=-1)
+    assert isinstance(params, SamplingParams)
+    assert (params.temperature, params.max_tokens, params.ignore_eos, params.logprobs) == (0.0, 12, True, -1)
+    (prompt,) = be._token_prompts([[5, 6, 7]])
+    assert prompt["prompt_token_ids"] == [5, 6, 7]
