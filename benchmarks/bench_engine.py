@@ -1,72 +1,76 @@
-"""vLLM's engine end to end, this backend beside vLLM's Hopper default: `LLM(...)` generating through
-FLASHINFER_MLA_SPARSE (this package) and FLASHMLA_SPARSE on the same small DeepSeek-V3.2, same weights, same prompts.
+"""vLLM's engine end to end, this backend beside vLLM's Hopper default: `LLM(...)` through FLASHINFER_MLA_SPARSE
+(this package) and FLASHMLA_SPARSE on the same small DeepSeek-V3.2, same weights, same prompts.
 
-    python benchmarks/bench_engine.py run --out DIR [--heads 128,16] [--batches 1,8,32,128] [--check-only]
-    (on the device: bash tools/device_run.sh --vllm py benchmarks/bench_engine.py run --out $OUT ...)
+    python benchmarks/bench_engine.py run --out DIR [--heads 16,64,128] [--requests 1,8,32,128] ...
+    (on the device: bash tools/device_run.sh --vllm [--fi] py benchmarks/bench_engine.py run --out $OUT/engine ...)
 
-Each engine runs in a child process of its own (`worker`), so two engines never share a CUDA context and a failed
-start is reported with its exact error instead of ending the run. Per head count the parent starts:
+Each engine lives in a process of its own (benchmarks/engine_worker.py), driven over a pipe, so two engines never
+share a CUDA context, both stay up while they are timed in turn, and a failed start is reported with its error.
 
-- FLASHINFER_MLA_SPARSE and FLASHMLA_SPARSE: correctness prompts (greedy, full-vocabulary log-probabilities of
-  every generated token), then the throughput batches;
-- FLASHINFER_MLA_SPARSE with its softmax scale 5% off (a test-only hook in the worker, `--scale-error`): the
-  comparison must fail it;
-- FLASHINFER_MLA_SPARSE with n-gram speculative decoding (2 draft tokens): its tokens against the plain engine's.
+**The check.** CHECK_REQUESTS requests with contexts in CHECK_CONTEXT (all past index_topk, so the indexer's choice
+matters) are forced down the same random token trace in every engine (vLLM's trace replay) for CHECK_STEPS decode
+steps, and every step's full-vocabulary log-probabilities are recorded. Against FLASHMLA_SPARSE (the reference):
+per decode step the largest |log-probability difference| over the vocabulary; an engine passes when every step is
+within LOGPROB_BOUND and, wherever the reference's top two log-probabilities are TIE_MARGIN or more apart, both
+pick the same token. The correct engines: this backend (CUDA graphs, and eager), and vLLM's FLASHINFER_MLA_SPARSE_SM90
+where FlashInfer is carried (FlashInfer's fa3 on the same 576 B per-tensor FP8 rows with a BF16 query: what the FP8
+query costs apart from the cache format). The negative controls (engine_worker.FAULTS, planted in this backend) must
+each exceed the bound on most requests (the softmax-scale fault at the first decode step too).
 
-The model (`write_model`): DeepSeek-V3.2's attention as released (q_lora_rank 1536, kv_lora_rank 512, 128 nope +
-64 rope, v 128, an indexer in every layer: 64 heads of 128, index_topk 2048), `num_attention_heads` the heads a rank
-runs, 4 layers, a dense MLP, hidden 2048, vocabulary 4096. Weights: vLLM's dummy loader, then each tensor drawn again
-from a generator seeded by its name (`SeededDummyLoader`, load format "dsa_seeded"): vLLM's dummy values (+-1e-3)
-make every attention softmax flat, so neither the indexer's choice nor a wrong softmax scale would change a token.
+**The bound and the tie margin, from measurement.** LOGPROB_BOUND is BOUND_FACTOR times the largest per-step
+difference any correct engine showed against the reference in the committed run (benchmarks/results/, the
+report's "spread"), rounded up to two significant digits; every run recomputes that figure ("measured_bound"), so a
+run whose correct engines spread further shows it. TIE_MARGIN is 2 x LOGPROB_BOUND: an engine within the bound moves
+each log-probability by at most the bound, so the gap between the top two by at most twice it; a wider gap cannot
+flip.
 
-Correctness (`compare`): per request, the generated tokens must be equal up to the first step where the reference's
-top-2 log-probabilities are within the bound of each other (past that, a tie may go either way and the sequences
-part); over those shared steps, the largest log-probability difference across the whole vocabulary must stay under
-LOGPROB_BOUND. The bound comes from the caches: both backends store K/V as e4m3 (ours per-tensor 576 B rows, e4m3
-query; FlashMLA's 656 B fp8_ds_mla rows with tile scales, BF16 query and rope), each value off by up to 2^-4 of
-itself; over 576-long dot products of independent rounding errors that is a few 1e-3 of a logit of size ~1, and
-through 4 layers and the LM head (sensitivity ~1 for these weights) about 0.02-0.05 in a log-probability. The bound
-is 0.25 (5x that); a 5% softmax-scale error moves every attention logit by 5% of its size (~0.05-0.3) in every layer
-and the output far past it, which the run shows by the wrong engine's row.
-
-Throughput (`bench_batch`): prompts of 100 to 6,000 tokens (seeded), greedy, ignore_eos; decode tokens/s =
-requests x 63 / (time of 64 tokens - time of 1 token), each after a warm-up at the same batch. The attention share:
-a torch profiler over a 17-token and a 1-token generation, GPU kernel time of the attention kernels (ATTENTION_KERNELS:
-the sparse decode and its combine, vLLM's top-k conversion) over all GPU kernel time, the 1-token run subtracted so
-only decode steps count.
+**The timing.** At each (heads, requests, context mix) both engines prefill the same prompts (every request), run
+WARMUP decode steps at the full batch, then time windows of `steps` decode steps each, in turn (ours, FlashMLA,
+FlashMLA, ours, ...), `repeats` windows each, and one more window each under the torch profiler. A window is wall
+time between synchronised ends over the tokens every request gained; the scheduler's own steps in it are recorded
+and each must be pure decode (one token for every request, none new). Per decode step: wall µs, GPU µs by kernel
+class (engine_worker.KERNEL_CLASSES; attention = decode + combine + metadata + query kernels of each side), tokens/s,
+and the attention floor (each selected KV row read once at the machine's measured copy rate). Both engines run the
+same max_num_seqs, capture sizes and graph mode (recorded and compared).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import gc
-import importlib.metadata
-import importlib.util
-import io
 import json
 import math
+import multiprocessing
 import os
-import re
-import subprocess
+import random
+import statistics
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_worker as ew  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-OURS, FLASHMLA = "FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE"
-VOCAB = 4096
+OURS, FLASHMLA, FLASHINFER_SM90, VOCAB = ew.OURS, ew.FLASHMLA, ew.FLASHINFER_SM90, ew.VOCAB
 LAYERS = 4
-LOGPROB_BOUND = 0.25
-TIE_MARGIN = 2 * LOGPROB_BOUND  # top-2 closer than this: the step may go either way
-OUTPUT_TOKENS = 64
-CHECK_REPEAT = 37
-ATTENTION_KERNELS = re.compile(
-    r"mla|flash_fwd|sparse_attn|decode_kernel|seesaw|few_heads|combine_kernel|convert_req_index", re.I
-)
+
+BOUND_FACTOR = 1.5
+LOGPROB_BOUND = 0.25  # BOUND_FACTOR x the committed run's largest correct-engine step difference, rounded up
+TIE_MARGIN = 2 * LOGPROB_BOUND
+MOST = 0.5  # a negative control must exceed the bound on more than this fraction of the requests
+
+CHECK_REQUESTS, CHECK_STEPS = 64, 64
+CHECK_CONTEXT = (2100, 6000)
+REQUESTS = (1, 8, 32, 128)
+MIXES = ("uniform-4096", "ragged-100-8000")
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every timed batch and the check's 64 (both engines alike)
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 128, 8192
+SIDE_MEMORY = 0.2  # fraction of the GPU for an engine beside the two timed ones (0.3 each by default)
+WARMUP = 4
+TOPK = 2048
+ROW_BYTES = {OURS: 576, FLASHMLA: 656}  # a KV row as each backend stores it (fp8 per-tensor; fp8_ds_mla)
 
 
 def model_config(heads: int, layers: int = LAYERS) -> dict[str, Any]:
@@ -76,7 +80,7 @@ def model_config(heads: int, layers: int = LAYERS) -> dict[str, Any]:
         hidden_size=2048, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=layers,
         first_k_dense_replace=layers, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_topk=2048, index_n_heads=64,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_topk=TOPK, index_n_heads=64,
         index_head_dim=128, vocab_size=VOCAB, max_position_embeddings=16384, rope_theta=10000.0,
         rms_norm_eps=1e-6, torch_dtype="bfloat16", n_group=1, topk_group=1, routed_scaling_factor=1.0,
         scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, tie_word_embeddings=False,
@@ -90,390 +94,421 @@ def write_model(directory: Path, heads: int) -> Path:
     return directory
 
 
-def prompt_lengths(requests: int, seed: int, low: int = 100, high: int = 6000) -> list[int]:
-    """`requests` prompt lengths spread over [low, high] (seeded; both ends included from 2 requests on)."""
-    import random
+# ---------------------------------------------------------------------------------------------------- workloads
 
+
+def random_tokens(lengths: list[int], seed: int) -> list[list[int]]:
+    """One list of token ids (2..VOCAB-1: no BOS / EOS) per length, seeded."""
     rng = random.Random(seed)
-    if requests == 1:
-        return [rng.randint(low, high)]
-    lengths = [low, high] + [rng.randint(low, high) for _ in range(requests - 2)]
-    rng.shuffle(lengths)
-    return lengths
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def prompts(lengths: list[int], seed: int, repeat: int = 0) -> list[list[int]]:
-    """Token-id prompts (ids 2..VOCAB-1: no BOS / EOS); repeat > 0 builds each from one block of that many ids
-    repeated, so n-gram speculation finds matches."""
-    import random
-
+def check_workload(requests: int = CHECK_REQUESTS, steps: int = CHECK_STEPS, seed: int = 7,
+                   context: tuple[int, int] = CHECK_CONTEXT) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, traces): `requests` prompts of lengths in `context` (seeded) and a forced trace of 1 + steps tokens
+    each (the token after the prompt, then `steps` decode steps)."""
     rng = random.Random(seed)
-    out = []
-    for n in lengths:
-        if repeat:
-            block = [rng.randrange(2, VOCAB) for _ in range(repeat)]
-            out.append((block * (n // repeat + 1))[:n])
-        else:
-            out.append([rng.randrange(2, VOCAB) for _ in range(n)])
-    return out
+    lengths = [rng.randint(*context) for _ in range(requests)]
+    return random_tokens(lengths, seed), random_tokens([1 + steps] * requests, seed + 1)
+
+
+def context_lengths(mix: str, requests: int, seed: int) -> list[int]:
+    """Prompt lengths of a timing point: "uniform-N" all N; "ragged-LO-HI" log-uniform in [LO, HI] (seeded; both
+    ends included from 2 requests on), the spread of contexts a serving batch holds."""
+    kind, *bounds = mix.split("-")
+    if kind == "uniform" and len(bounds) == 1:
+        return [int(bounds[0])] * requests
+    if kind == "ragged" and len(bounds) == 2:
+        lo, hi = int(bounds[0]), int(bounds[1])
+        rng = random.Random(seed)
+        lengths = [round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(requests)]
+        if requests > 1:
+            lengths[0], lengths[1] = lo, hi
+            rng.shuffle(lengths)
+        return lengths
+    raise ValueError(f"context mix {mix!r} is neither uniform-N nor ragged-LO-HI")
 
 
 # ---------------------------------------------------------------------------------------------------- comparison
 
 
-def compare(reference: list[dict], other: list[dict], bound: float = LOGPROB_BOUND) -> dict[str, Any]:
-    """Per request, step by step while the two sequences agree (so both engines saw the same tokens): the largest
-    |log-probability difference| over the vocabulary must stay within `bound`, and the tokens must be equal, except
-    at a step where the reference's top-2 log-probabilities lie within TIE_MARGIN (either choice is right there);
-    the comparison of that request ends at its first differing token.
-
-    Each item: {"tokens": [...], "logprobs": [[VOCAB floats] per step] or None (tokens only)}.
-    Returns {"ok", "bound", "max_logprob_diff", "first_decode_diff" (step 1, the first decode step), "requests"}."""
-    rows, worst, first_decode, ok = [], 0.0, 0.0, True
-    for i, (ref, got) in enumerate(zip(reference, other, strict=True)):
-        diverged_at, near_tie, diff = None, False, 0.0
-        for t, token in enumerate(ref["tokens"]):
-            lp_ref, lp_got = ref.get("logprobs"), got.get("logprobs")
-            if lp_ref and lp_got:
-                step = max(abs(a - b) for a, b in zip(lp_ref[t], lp_got[t]))
-                diff = max(diff, step)
-                if t == 1:
-                    first_decode = max(first_decode, step)
-            if got["tokens"][t] != token:
-                diverged_at = t
-                if lp_ref:
-                    first, second = sorted(lp_ref[t], reverse=True)[:2]
-                    near_tie = first - second < TIE_MARGIN
-                break
-        request_ok = (diverged_at is None or near_tie) and diff <= bound
-        ok &= request_ok
-        worst = max(worst, diff)
-        rows.append({"request": i, "ok": request_ok, "diverged_at": diverged_at, "near_tie": near_tie,
-                     "max_logprob_diff": diff, "steps": len(ref["tokens"])})
-    return {"ok": ok, "bound": bound, "max_logprob_diff": worst, "first_decode_diff": first_decode,
-            "requests": rows}
-
-
-# ---------------------------------------------------------------------------------------------------- worker
-
-
-def _install_device_shims() -> dict[str, str]:
-    """tools/vllm_device_shims.py where vLLM's own libraries cannot load (the device's torch 2.11); each shim says
-    what it hides, and the report goes into the JSON."""
-    path = ROOT / "tools" / "vllm_device_shims.py"
-    spec = importlib.util.spec_from_file_location("vllm_device_shims", path)
-    shims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shims)
-    return dict(shims.install())
-
-
-def _register_seeded_loader() -> type:
-    """Registers (once a process) and returns vLLM's dummy loader under load format "dsa_seeded"."""
-    if "dsa_seeded" in _LOADERS:
-        return _LOADERS["dsa_seeded"]
+def compare(reference: Any, other: Any, *, bound: float = LOGPROB_BOUND, tie_margin: float = TIE_MARGIN) -> dict:
+    """Two engines' log-probabilities on the same forced traces, (requests, 1 + steps, vocab) float32 each (step 0:
+    the token after the prompt; NaN: not recorded). Per decode step (1..), the largest |difference| over the
+    vocabulary; `ok` when every one is within `bound`, every step was recorded, and no token differs where the
+    reference's top two are `tie_margin` or more apart. The rest describes the spread: its quantiles, each request's
+    largest, the first decode step's, and the fraction of requests past the bound (what a fault must exceed)."""
     import torch
-    from vllm.model_executor.model_loader import register_model_loader
-    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
-    @register_model_loader("dsa_seeded")
-    class SeededDummyLoader(DummyModelLoader):
-        """vLLM's dummy loader, then every floating tensor redrawn from a generator seeded by its name: matrices
-        N(0, 1/fan_in), embeddings N(0, 1), norm weights 1, biases 0, so activations and attention logits have
-        the sizes of a trained model's (the same weights in every engine of a run)."""
+    if reference.shape != other.shape:
+        raise ValueError(f"reference {tuple(reference.shape)} and other {tuple(other.shape)} differ in shape")
+    missing = int((torch.isnan(reference).any(-1) | torch.isnan(other).any(-1))[:, 1:].sum())
+    diff = (other - reference).abs().amax(-1).nan_to_num(nan=math.inf)[:, 1:]  # (requests, steps)
+    top2 = reference.nan_to_num(nan=-math.inf).topk(2, dim=-1).values[:, 1:]
+    sure = (top2[..., 0] - top2[..., 1]) >= tie_margin
+    flipped = (reference.nan_to_num(nan=-math.inf).argmax(-1) != other.nan_to_num(nan=-math.inf).argmax(-1))[:, 1:]
+    per_request = diff.amax(1)
+    first = diff[:, 0]
+    flat = diff.flatten().sort().values
+    finite = flat[torch.isfinite(flat)]
 
-        def load_weights(self, model, model_config) -> None:
-            super().load_weights(model, model_config)
-            with torch.no_grad():
-                for name, tensor in model.state_dict(keep_vars=True).items():
-                    if not torch.is_floating_point(tensor) or tensor.dtype.itemsize == 1:
-                        continue
-                    gen = torch.Generator(device=tensor.device).manual_seed(zlib.crc32(name.encode()))
-                    if name.endswith("bias"):
-                        tensor.zero_()
-                    elif tensor.dim() == 1:
-                        tensor.fill_(1.0)
-                    elif "embed" in name:
-                        tensor.normal_(0.0, 1.0, generator=gen)
-                    else:
-                        tensor.normal_(0.0, tensor.shape[-1] ** -0.5, generator=gen)
+    def q(p: float) -> float:
+        return float(finite[min(len(finite) - 1, int(p * len(finite)))]) if len(finite) else math.inf
 
-    _LOADERS["dsa_seeded"] = SeededDummyLoader
-    return SeededDummyLoader
-
-
-_LOADERS: dict[str, type] = {}
-
-
-def _scale_error_hook(factor: float) -> None:
-    """Test-only: this backend's softmax scale times `factor` (the wrong engine the comparison must fail)."""
-    from vllm_kimi_dsa import vllm_backend
-
-    cls = vllm_backend.KimiDSAFlashInferMLASparseImpl
-    init = cls.__init__
-
-    def wrong_scale_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.scale *= factor
-
-    cls.__init__ = wrong_scale_init
+    confident_flips = int((sure & flipped).sum())
+    worst = float(per_request.max())
+    return {
+        "ok": worst <= bound and confident_flips == 0 and missing == 0,
+        "bound": bound, "tie_margin": tie_margin,
+        "requests": int(diff.shape[0]), "decode_steps": int(diff.numel()), "missing_steps": missing,
+        "max": worst, "p50": q(0.5), "p90": q(0.9), "p99": q(0.99),
+        "first_decode_max": float(first.max()),
+        "over_bound": float((per_request > bound).float().mean()),
+        "first_decode_over_bound": float((first > bound).float().mean()),
+        "margin_median": float(per_request.median()) / bound,
+        "confident_token_flips": confident_flips, "near_tie_steps": int((~sure).sum()),
+        "per_request_max": [round(float(v), 5) for v in per_request],
+        "first_decode": [round(float(v), 5) for v in first],
+    }
 
 
-def _logprob_rows(output, vocab: int) -> list[list[float]]:
+def fault_caught(result: dict, fault: str) -> bool:
+    """A negative control is caught when more than MOST of its requests exceed the bound, and the softmax-scale fault
+    also at the first decode step (not only through a cache its prefill wrote)."""
+    caught = result["over_bound"] > MOST
+    if fault == "softmax_scale":
+        caught &= result["first_decode_over_bound"] > MOST
+    return caught
+
+
+def derive_bound(spreads: list[float], factor: float = BOUND_FACTOR) -> float:
+    """factor x the largest correct-engine step difference, rounded up to two significant digits."""
+    worst = max(spreads)
+    if not worst > 0:
+        raise ValueError(f"spreads must hold a positive difference, got {spreads}")
+    value = factor * worst
+    step = 10 ** (math.floor(math.log10(value)) - 1)
+    return math.ceil(value / step - 1e-9) * step
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+
+
+class EngineProcess:
+    """One engine_worker.serve process: built at construction (its info, or its error), then call()ed."""
+
+    def __init__(self, spec: dict[str, Any], timeout: float = 600) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.spec, self.timeout = spec, timeout
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=ew.serve, args=(child, spec), daemon=True)
+        self.process.start()
+        child.close()
+        status, self.info = self._answer(timeout)
+        self.error = None if status == "ok" else self.info
+        if self.error:
+            self.info = {"backend": spec["backend"], "heads": spec["heads"], **self.error}
+
+    def _answer(self, timeout: float) -> tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            return "error", {"error": f"no answer in {timeout:.0f} s", "traceback": self.log_tail()}
+        try:
+            return self.conn.recv()
+        except EOFError:
+            return "error", {"error": f"the engine process ended (exit code {self.process.exitcode})",
+                             "traceback": self.log_tail()}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return Path(self.spec["log"]).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def startup_line(self) -> str | None:
+        lines = [line for line in self.log_tail(10**7).splitlines() if "vllm_kimi_dsa" in line and "serves" in line]
+        return lines[0] if lines else None
+
+    def call(self, command: str, **kwargs: Any) -> Any:
+        if self.error:
+            raise RuntimeError(f"{self.spec['backend']} did not start: {self.error['error']}")
+        self.conn.send((command, kwargs))
+        status, value = self._answer(self.timeout)
+        if status != "ok":
+            raise RuntimeError(f"{self.spec['backend']} {command}: {value['error']}\n{value.get('traceback', '')}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive() and not self.error:
+            try:
+                self.conn.send(("stop", {}))
+                self._answer(120)
+            except (BrokenPipeError, OSError):
+                pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def engine_spec(out_dir: Path, name: str, model: Path, backend: str, heads: int, args: argparse.Namespace, *,
+                eager: bool = False, faults: bool = False, fi_site: str | None = None,
+                side: bool = False) -> dict[str, Any]:
+    """An engine's spec (engine_worker.serve). side: an engine started beside the two timed ones (the faults' and
+    FlashInfer's), given SIDE_MEMORY of the GPU instead of the run's share."""
+    return {"backend": backend, "heads": heads, "model": str(model), "log": str(out_dir / f"{name}.log"),
+            "eager": eager, "faults": faults, "fi_site": fi_site, "shims": args.shims,
+            "force_mqa": not ew.flash_attention_present(), "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "capture_sizes": list(args.capture_sizes),
+            "gpu_memory_utilization": SIDE_MEMORY if side else args.gpu_memory_utilization}
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+def attention_floor_us(lengths: list[int], backend: str, copy_gbps: float | None) -> float | None:
+    """µs a decode step's attention needs at least: every selected KV row (min(context, TOPK) a request, each layer,
+    in the backend's own row format) moved once at the machine's measured copy rate (timing.ceilings: bytes read +
+    written a second), as the suite's floors count bytes."""
+    if not copy_gbps or backend not in ROW_BYTES:
+        return None
+    rows = sum(min(n, TOPK) for n in lengths) * LAYERS
+    return rows * ROW_BYTES[backend] / (copy_gbps * 1e9) * 1e6
+
+
+def classify(kernels_us: dict[str, float], steps: int) -> dict[str, Any]:
+    """A profiled window's GPU µs by kernel class, per decode step, and its largest kernels."""
+    by: dict[str, float] = {}
+    for name, us in kernels_us.items():
+        label = ew.kernel_class(name)
+        by[label] = by.get(label, 0.0) + us / steps
+    top = sorted(kernels_us.items(), key=lambda kv: -kv[1])[:16]
+    return {"gpu_us": sum(by.values()), "attention_us": sum(by.get(c, 0.0) for c in ew.ATTENTION_CLASSES),
+            "by_class_us": {k: round(v, 2) for k, v in sorted(by.items())},
+            "top_kernels": [{"kernel": k[:120], "class": ew.kernel_class(k), "us_per_step": round(v / steps, 2)}
+                            for k, v in top]}
+
+
+def time_point(engines: dict[str, EngineProcess], heads: int, requests: int, mix: str, args: argparse.Namespace,
+               copy_gbps: float | None) -> list[dict[str, Any]]:
+    """One (heads, requests, mix) point on both engines: the same prompts prefilled in each, then `repeats` timed
+    windows each, in turn, and one profiled window each; one row per backend."""
+    lengths = context_lengths(mix, requests, seed=1000 + requests)
+    prompts = random_tokens(lengths, seed=2000 + requests)
+    tokens = 1 + WARMUP + (args.repeats + 1) * args.steps + 8
+    names = list(engines)
+    prefill = {n: engines[n].call("start_batch", prompts=prompts, tokens=tokens, warmup=WARMUP) for n in names}
+    windows: dict[str, list[dict]] = {n: [] for n in names}
+    try:
+        for rep in range(args.repeats):
+            for n in (names if rep % 2 == 0 else names[::-1]):
+                windows[n].append(engines[n].call("decode_window", steps=args.steps))
+        profiled = {n: engines[n].call("decode_window", steps=args.steps, profile=True) for n in names}
+    finally:
+        for n in names:
+            engines[n].call("end_batch")
     rows = []
-    for position in output.logprobs or []:
-        row = [-math.inf] * vocab
-        for token, lp in position.items():
-            row[token] = float(lp.logprob)
-        rows.append(row)
+    for n in names:
+        step_us = [w["seconds"] / w["steps"] * 1e6 for w in windows[n]]
+        median = statistics.median(step_us)
+        gpu = classify(profiled[n]["kernels_us"], profiled[n]["steps"])
+        floor = attention_floor_us(lengths, n, copy_gbps)
+        rows.append({
+            "backend": n, "heads": heads, "requests": requests, "context_mix": mix,
+            "decode_step_us": round(median, 2), "attention_us": round(gpu["attention_us"], 2),
+            "tokens_per_s": round(requests / (median * 1e-6), 1), "gpu": engines[n].info.get("gpu"),
+            "prefill_path": engines[n].info.get("prefill_path"),
+            "decode_step_us_repeats": [round(v, 2) for v in step_us],
+            "decode_step_spread": round((max(step_us) - min(step_us)) / median, 4),
+            "gpu_us": round(gpu["gpu_us"], 2), "by_class_us": gpu["by_class_us"],
+            "attention_floor_us": None if floor is None else round(floor, 2),
+            "attention_floor_fraction": None if not floor else round(floor / gpu["attention_us"], 3),
+            "pure_decode": all(w["pure_decode"] for w in [*windows[n], profiled[n]]),
+            "scheduled_steps": [w["scheduled_steps"] for w in [*windows[n], profiled[n]]],
+            "prompt_tokens": sum(lengths), "prefill_s": round(prefill[n]["prefill_s"], 3),
+            "top_kernels": gpu["top_kernels"],
+        })
     return rows
 
 
-def _greedy(tokens: int, **kwargs: Any) -> Any:
-    """vLLM's SamplingParams for `tokens` greedy tokens past any EOS."""
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, **kwargs)
+# ---------------------------------------------------------------------------------------------------- the run
 
 
-def _token_prompts(batch: list[list[int]]) -> list[Any]:
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=p) for p in batch]
-
-
-def _profile_decode(llm, inputs: list[Any]) -> dict[str, Any]:
-    """GPU kernel time by kernel over a 17-token and a 1-token generation; the attention share of the difference."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernel_times(tokens: int) -> dict[str, float]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(inputs, _greedy(tokens), use_tqdm=False)
-            torch.cuda.synchronize()
-        times: dict[str, float] = {}
-        for event in prof.key_averages():
-            if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-                times[event.key] = times.get(event.key, 0.0) + event.device_time_total
-        return times
-
-    long, short = kernel_times(17), kernel_times(1)
-    decode = {k: long.get(k, 0.0) - short.get(k, 0.0) for k in long}
-    total = sum(v for v in decode.values() if v > 0)
-    attention = sum(v for k, v in decode.items() if v > 0 and ATTENTION_KERNELS.search(k))
-    top = sorted(((v, k) for k, v in decode.items() if v > 0), reverse=True)[:12]
-    return {"attention_share": attention / total if total else None, "decode_gpu_us": total,
-            "attention_us": attention, "top_kernels": [{"kernel": k[:120], "us": round(v, 1)} for v, k in top]}
+def _save(out_dir: Path, report: dict, rows: list[dict]) -> None:
+    (out_dir / "engine_report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out_dir / "engine.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "engine.md").write_text(table(rows) + "\n")
 
 
-def _attention_impls(model) -> list[str]:
-    return sorted({f"{type(m.impl).__module__}.{type(m.impl).__name__}" for m in model.modules() if hasattr(m, "impl")})
+def _engine_summary(engine: EngineProcess) -> dict[str, Any]:
+    info = dict(engine.info)
+    info["startup_line"] = engine.startup_line()
+    if engine.error:
+        info["log_tail"] = engine.log_tail()
+    return info
 
 
-def bench_batch(llm, requests: int, seed: int, profile: bool) -> dict[str, Any]:
-    import torch
-
-    batch = prompts(prompt_lengths(requests, seed), seed)
-    inputs = _token_prompts(batch)
-
-    def timed(tokens: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(inputs, _greedy(tokens), use_tqdm=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    timed(4)  # warm-up at this batch
-    t1 = min(timed(1), timed(1))
-    t64 = min(timed(OUTPUT_TOKENS), timed(OUTPUT_TOKENS))
-    row = {"requests": requests, "prompt_tokens": sum(map(len, batch)), "t1_s": t1, "t64_s": t64,
-           "tokens_per_s": requests * (OUTPUT_TOKENS - 1) / (t64 - t1) if t64 > t1 else None}
-    if profile:
-        row.update(_profile_decode(llm, inputs))
-    return row
+def _checks(engines: dict[str, EngineProcess], prompts, traces, summary: dict, logprobs: dict) -> None:
+    for name, engine in engines.items():
+        try:
+            got = engine.call("check", prompts=prompts, traces=traces)
+        except RuntimeError as e:
+            summary.setdefault("errors", {})[name] = str(e)[:4000]
+            continue
+        logprobs[name] = got.pop("logprobs")
+        summary.setdefault("checks", {})[name] = got
 
 
-def engine_kwargs(model: str, backend: str, **overrides: Any) -> dict[str, Any]:
-    """LLM(...)'s arguments: the seeded weights, no tokenizer, an fp8 cache, `backend`, the engine's own CUDA graphs
-    (breakable, as vLLM sets them for DeepSeek-V3.2), no prefix caching (every run prefills), every log-probability."""
-    return dict(model=model, load_format="dsa_seeded", skip_tokenizer_init=True, seed=0, dtype="bfloat16",
-                kv_cache_dtype="fp8", attention_config={"backend": backend}, max_model_len=8192,
-                enable_prefix_caching=False, max_logprobs=-1, **overrides)
-
-
-def worker(args: argparse.Namespace) -> int:
-    """One engine: build, correctness prompts, throughput batches; everything into args.out (JSON)."""
-    result: dict[str, Any] = {"backend": args.backend, "heads": args.heads, "scale_error": args.scale_error,
-                              "speculative_tokens": args.spec, "stage": "start"}
-    out = Path(args.out)
-
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=1))
-
+def _fault_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespace, prompts, traces, summary: dict,
+                  logprobs: dict) -> None:
+    """This backend in an eager engine, unfaulted ("eager:none", a correct engine) then with each planted fault."""
+    faulty = EngineProcess(engine_spec(out_dir, f"h{heads}_faults", model, OURS, heads, args, eager=True, faults=True,
+                                       side=True))
+    summary["engines"]["faults"] = _engine_summary(faulty)
     try:
-        if args.shims:
-            result["shims"] = _install_device_shims()
-        save()
-        import torch
-        from vllm import LLM
-
-        _register_seeded_loader()
-        if args.scale_error != 1.0:
-            _scale_error_hook(args.scale_error)
-        result["gpu"] = torch.cuda.get_device_name()
-        kwargs = engine_kwargs(args.model, args.backend, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens,
-                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager)
-        if args.spec:
-            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec,
-                                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-        plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")]
-        result["plugins"] = plugins
-        if args.backend == OURS and not any(p.startswith("vllm_kimi_dsa") for p in plugins):
-            raise RuntimeError("vllm_kimi_dsa's vLLM plugin entry point is not installed (pip install the package; "
-                               "on the device, tools/device_run.sh --vllm writes its dist-info): vLLM would run "
-                               "its own FLASHINFER_MLA_SPARSE, which refuses SM90")
-        result["stage"] = "engine"
-        save()
-        start = time.perf_counter()
-        llm = LLM(**kwargs)
-        result["engine_start_s"] = time.perf_counter() - start
-        config = llm.llm_engine.vllm_config
-        result["compilation"] = {"mode": str(config.compilation_config.mode),
-                                 "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-                                 "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or [])}
-        try:  # which impl class vLLM built for the attention layers (ours: KimiDSAFlashInferMLASparseImpl)
-            result["attention_impls"] = llm.apply_model(_attention_impls)[0]
-        except Exception as e:  # noqa: BLE001  (reported, not fatal: the startup line also names the backend)
-            result["attention_impls"] = f"unknown ({type(e).__name__}: {e})"[:300]
-        result["stage"] = "correctness"
-        save()
-        # blocks of 37 ids repeated: n-gram speculation finds drafts in them, and every engine gets the same prompts
-        batch = prompts(prompt_lengths(args.check_requests, seed=7), seed=7, repeat=CHECK_REPEAT)
-        outputs = llm.generate(_token_prompts(batch), _greedy(args.check_tokens, logprobs=None if args.spec else -1),
-                               use_tqdm=False)
-        result["check"] = [
-            {"prompt_len": len(p), "tokens": list(o.outputs[0].token_ids),
-             "logprobs": _logprob_rows(o.outputs[0], VOCAB) if not args.spec else None}
-            for p, o in zip(batch, outputs)
-        ]
-        save()
-        result["stage"] = "throughput"
-        result["throughput"] = []
-        for requests in args.batches:
-            result["throughput"].append(bench_batch(llm, requests, seed=100 + requests, profile=args.profile))
-            save()
-        result["stage"] = "done"
-        save()
-        del llm
-        gc.collect()
-        return 0
-    except BaseException as e:  # noqa: BLE001  (the exact failure goes into the JSON for the report)
-        import traceback
-
-        result["error"] = f"{type(e).__name__}: {e}"[:4000]
-        result["traceback"] = traceback.format_exc()[-6000:]
-        save()
-        return 1
-
-
-# ---------------------------------------------------------------------------------------------------- parent
-
-
-def run_worker(out_dir: Path, name: str, model: Path, backend: str, heads: int, *, batches: list[int],
-               scale_error: float = 1.0, spec: int = 0, timeout: float = 1200, extra: list[str] = ()) -> dict:
-    """One engine in a child process; its JSON plus the startup line and the log's tail."""
-    path, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--backend", backend, "--heads", str(heads),
-           "--model", str(model), "--out", str(path), "--scale-error", str(scale_error), "--spec", str(spec),
-           "--batches", ",".join(map(str, batches)), *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    start = time.perf_counter()
-    try:
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    result = json.loads(path.read_text()) if path.exists() else {"error": "no JSON written"}
-    text = log.read_text(errors="replace")
-    lines = [line for line in text.splitlines() if "vllm_kimi_dsa" in line and "serves" in line]
-    result.update(rc=rc, wall_s=time.perf_counter() - start, startup_line=lines[0] if lines else None,
-                  log_tail=text[-3000:] if rc != 0 else None)
-    return result
+        for mode in ("none", *ew.FAULTS):
+            if faulty.error:
+                break
+            faulty.call("set_fault", mode=mode)
+            got = faulty.call("check", prompts=prompts, traces=traces)
+            logprobs[f"eager:{mode}"] = got.pop("logprobs")
+            summary.setdefault("checks", {})[f"eager:{mode}"] = got
+    except RuntimeError as e:
+        summary.setdefault("errors", {})["faults"] = str(e)[:4000]
+    finally:
+        faulty.stop()
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "bound": LOGPROB_BOUND, "heads": {}}
+    start = time.monotonic()
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "bound": LOGPROB_BOUND, "tie_margin": TIE_MARGIN, "bound_factor": BOUND_FACTOR, "most": MOST,
+        "query_gain": ew.QUERY_GAIN, "faults": ew.FAULTS, "check_requests": args.check_requests,
+        "check_steps": args.check_steps, "check_context": list(CHECK_CONTEXT), "heads": {},
+    }
     rows: list[dict] = []
-    extra = ["--check-requests", str(args.check_requests), "--check-tokens", str(args.check_tokens)]
-    if args.profile:
-        extra.append("--profile")
-    if args.shims:  # decided once here; the workers (and vLLM's own child processes) apply the same shims
-        report["shims"] = _install_device_shims()
-        extra.append("--shims")
+    if args.shims:  # decided once here; the engines (and vLLM's own child processes) apply the same shims
+        report["shims"] = ew.install_device_shims()
+    copy_gbps = None
+    if args.requests:
+        import torch
+        from vllm_kimi_dsa.timing import ceilings
+
+        report["ceilings"] = ceilings(torch.device("cuda"), quick=True)
+        copy_gbps = report["ceilings"]["copy_GBps"]
+        torch.cuda.empty_cache()
+    prompts, traces = check_workload(args.check_requests, args.check_steps)
     ok = True
     for heads in args.heads:
-        model = write_model(out_dir / f"model_h{heads}", heads)
-        runs = {
-            OURS: run_worker(out_dir, f"h{heads}_ours", model, OURS, heads, batches=args.batches, extra=extra),
-            FLASHMLA: run_worker(out_dir, f"h{heads}_flashmla", model, FLASHMLA, heads, batches=args.batches,
-                                 extra=extra),
-        }
-        if args.negative:
-            runs["wrong_scale"] = run_worker(out_dir, f"h{heads}_wrong", model, OURS, heads, batches=[],
-                                             scale_error=1.05, extra=extra)
-        if args.spec:
-            runs["ngram"] = run_worker(out_dir, f"h{heads}_ngram", model, OURS, heads, batches=[],
-                                       spec=args.spec, extra=extra)
-        summary: dict[str, Any] = {k: {key: v.get(key) for key in ("rc", "stage", "error", "engine_start_s",
-                                                                     "startup_line", "compilation", "shims",
-                                                                     "wall_s")}
-                                   for k, v in runs.items()}
-        if runs[OURS].get("check") and runs[FLASHMLA].get("check"):
-            summary["ours_vs_flashmla"] = compare(runs[FLASHMLA]["check"], runs[OURS]["check"])
-            ok &= summary["ours_vs_flashmla"]["ok"]
-            if args.negative:  # the wrong engine must fail the comparison that ours passes
-                wrong = runs["wrong_scale"].get("check")
-                summary["wrong_vs_flashmla"] = compare(runs[FLASHMLA]["check"], wrong) if wrong else None
-                ok &= bool(wrong) and not summary["wrong_vs_flashmla"]["ok"]
-            if args.spec:  # speculative decoding: the plain engine's tokens (its log-probabilities name the ties)
-                spec = runs["ngram"].get("check")
-                summary["ngram_vs_ours"] = compare(runs[OURS]["check"], spec) if spec else None
-                ok &= bool(spec) and summary["ngram_vs_ours"]["ok"]
-        else:
+        if time.monotonic() - start > args.budget:
+            report["heads"][heads] = {"skipped": f"past the budget of {args.budget} s"}
             ok = False
-        for backend in (OURS, FLASHMLA):
-            for row in runs[backend].get("throughput") or []:
-                # the issue's row {backend, heads, requests, tokens_per_s, attention_share, gpu}, then the rest
-                rows.append({"backend": backend, "heads": heads, "attention_share": None,
-                             "gpu": runs[backend].get("gpu"), **row})
-        report["heads"][heads] = summary
-        (out_dir / "engine_report.json").write_text(json.dumps(report, indent=1))
-        (out_dir / "engine.json").write_text(json.dumps(rows, indent=1))
+            continue
+        model = write_model(out_dir / f"model_h{heads}", heads)
+        summary: dict[str, Any] = report["heads"].setdefault(heads, {})
+        logprobs: dict[str, Any] = {}
+        engines = {name: EngineProcess(engine_spec(out_dir, f"h{heads}_{label}", model, name, heads, args))
+                   for name, label in ((OURS, "ours"), (FLASHMLA, "flashmla"))}
+        summary["engines"] = {n: _engine_summary(e) for n, e in engines.items()}
+        try:
+            if any(e.error for e in engines.values()):
+                ok = False
+                continue
+            configs = {n: {k: e.info["config"][k] for k in ("max_num_seqs", "capture_sizes", "cudagraph_mode",
+                                                           "compilation_mode", "async_scheduling")}
+                       for n, e in engines.items()}
+            summary["same_engine_config"] = configs[OURS] == configs[FLASHMLA]
+            if heads in args.check_heads:  # correctness first: the other engines start beside these two
+                _checks(engines, prompts, traces, summary, logprobs)
+                if heads in args.fault_heads:
+                    _fault_checks(out_dir, model, heads, args, prompts, traces, summary, logprobs)
+                if heads in args.fi_heads and args.fi_site:
+                    fi = EngineProcess(engine_spec(out_dir, f"h{heads}_fi_sm90", model, FLASHINFER_SM90, heads, args,
+                                                   fi_site=args.fi_site, side=True))
+                    summary["engines"][FLASHINFER_SM90] = _engine_summary(fi)
+                    try:
+                        if not fi.error:
+                            _checks({FLASHINFER_SM90: fi}, prompts, traces, summary, logprobs)
+                    finally:
+                        fi.stop()
+                ok &= _verdicts(summary, logprobs)
+            _save(out_dir, report, rows)
+            for requests in args.requests:
+                for mix in args.mixes:
+                    try:
+                        rows.extend(time_point(engines, heads, requests, mix, args, copy_gbps))
+                    except RuntimeError as e:
+                        summary.setdefault("errors", {})[f"{requests}x{mix}"] = str(e)[:4000]
+                        ok = False
+                    _save(out_dir, report, rows)
+        finally:
+            for e in engines.values():
+                e.stop()
+        _save(out_dir, report, rows)
+    correct = [s["compare"][n]["max"] for s in report["heads"].values() for n in s.get("compare", {})
+               if not n.startswith("eager:") or n == "eager:none"]
+    if correct:
+        report["spread"] = max(correct)
+        report["measured_bound"] = derive_bound(correct)
+    _save(out_dir, report, rows)
     print(table(rows))
-    print(json.dumps({h: {k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "requests"})
-                          for k, v in s.items()} for h, s in report["heads"].items()}, indent=1)[:6000])
+    print(json.dumps(verdict_lines(report), indent=1))
     return 0 if ok else 1
 
 
+def _verdicts(summary: dict, logprobs: dict) -> bool:
+    """Every engine against FLASHMLA_SPARSE: the correct ones must pass, every planted fault must be caught."""
+    reference = logprobs.get(FLASHMLA)
+    if reference is None:
+        summary["verdict"] = "no reference log-probabilities"
+        return False
+    ok = True
+    summary["compare"] = {}
+    for name, values in logprobs.items():
+        if name == FLASHMLA:
+            continue
+        result = compare(reference, values)
+        fault = name.removeprefix("eager:") if name.startswith("eager:") and name != "eager:none" else None
+        result["fault"] = fault
+        result["passes"] = fault_caught(result, fault) if fault else result["ok"]
+        ok &= result["passes"]
+        summary["compare"][name] = result
+    ok &= OURS in summary["compare"]
+    return ok
+
+
+def verdict_lines(report: dict) -> dict:
+    """The short form of the report: per heads and engine, max / p99 difference, bound fraction and verdict."""
+    out: dict[str, Any] = {"bound": report["bound"], "measured_bound": report.get("measured_bound")}
+    for heads, s in report["heads"].items():
+        out[str(heads)] = {n: {k: c[k] for k in ("max", "p99", "over_bound", "first_decode_over_bound", "passes")}
+                           for n, c in s.get("compare", {}).items()}
+        if s.get("errors"):
+            out[str(heads)]["errors"] = {k: v[:300] for k, v in s["errors"].items()}
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: per (heads, requests), each backend's decode tokens/s and attention share, and the ratio."""
-    by = {(r["heads"], r["requests"], r["backend"]): r for r in rows}
-    lines = ["| heads | requests | FLASHINFER_MLA_SPARSE tok/s (attn share) | FLASHMLA_SPARSE tok/s (attn share) | "
-             "ratio |", "|---|---|---|---|---|"]
-    for heads, requests in sorted({(h, q) for h, q, _ in by}):
-        cells = []
-        for backend in (OURS, FLASHMLA):
-            r = by.get((heads, requests, backend))
-            share = r and r.get("attention_share")
-            cells.append("-" if not r or not r["tokens_per_s"] else
-                         f"{r['tokens_per_s']:.0f}" + (f" ({share:.2f})" if share is not None else ""))
-        a, b = by.get((heads, requests, OURS)), by.get((heads, requests, FLASHMLA))
-        ratio = (f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b and a["tokens_per_s"]
-                 and b["tokens_per_s"] else "-")
-        lines.append(f"| {heads} | {requests} | {cells[0]} | {cells[1]} | {ratio} |")
+    """Markdown: per (heads, requests, mix), each backend's decode step and attention µs per step (its floor
+    fraction), the ratios ours / FlashMLA, and tokens/s ratio."""
+    by = {(r["heads"], r["requests"], r["context_mix"], r["backend"]): r for r in rows}
+    lines = ["| heads | requests | contexts | step µs ours / FlashMLA | attention µs ours / FlashMLA (floor frac.) | "
+             "attention ratio | tokens/s ratio | spread ours / FlashMLA |", "|---|---|---|---|---|---|---|---|"]
+    for heads, requests, mix in sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1], k[2])):
+        a, b = by.get((heads, requests, mix, OURS)), by.get((heads, requests, mix, FLASHMLA))
+        if not a or not b:
+            continue
+
+        def frac(r: dict) -> str:
+            return f" ({r['attention_floor_fraction']:.2f})" if r.get("attention_floor_fraction") else ""
+
+        lines.append(
+            f"| {heads} | {requests} | {mix} | {a['decode_step_us']:.0f} / {b['decode_step_us']:.0f} | "
+            f"{a['attention_us']:.0f}{frac(a)} / {b['attention_us']:.0f}{frac(b)} | "
+            f"{a['attention_us'] / b['attention_us']:.2f}x | {a['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+            f"{a['decode_step_spread']:.1%} / {b['decode_step_spread']:.1%} |")
     return "\n".join(lines)
 
 
@@ -481,37 +516,33 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _words(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="every engine of the comparison, each in a child process")
-    p_run.add_argument("--out", required=True)
-    p_run.add_argument("--heads", type=_ints, default=[128, 16])
-    p_run.add_argument("--batches", type=_ints, default=[1, 8, 32, 128])
-    p_run.add_argument("--check-requests", type=int, default=6)
-    p_run.add_argument("--check-tokens", type=int, default=12)
-    p_run.add_argument("--spec", type=int, default=2, help="n-gram draft tokens of the speculative run (0: none)")
-    p_run.add_argument("--no-negative", dest="negative", action="store_false")
-    p_run.add_argument("--profile", action="store_true", help="attention share by the torch profiler")
-    p_run.add_argument("--shims", action="store_true", help="tools/vllm_device_shims.py first (the device)")
-    p_worker = sub.add_parser("worker", help="one engine (run starts these)")
-    p_worker.add_argument("--backend", required=True)
-    p_worker.add_argument("--heads", type=int, required=True)
-    p_worker.add_argument("--model", required=True)
-    p_worker.add_argument("--out", required=True)
-    p_worker.add_argument("--batches", type=_ints, default=[])
-    p_worker.add_argument("--scale-error", type=float, default=1.0)
-    p_worker.add_argument("--spec", type=int, default=0)
-    p_worker.add_argument("--check-requests", type=int, default=6)
-    p_worker.add_argument("--check-tokens", type=int, default=12)
-    p_worker.add_argument("--max-num-seqs", type=int, default=128)
-    p_worker.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p_worker.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    p_worker.add_argument("--eager", action="store_true")
-    p_worker.add_argument("--profile", action="store_true")
-    p_worker.add_argument("--shims", action="store_true")
+    p = sub.add_parser("run", help="the check, the negative controls and the decode timing, engine by engine")
+    p.add_argument("--out", required=True)
+    p.add_argument("--heads", type=_ints, default=[16, 64, 128])
+    p.add_argument("--requests", type=_ints, default=list(REQUESTS), help="timed batch sizes ('' : no timing)")
+    p.add_argument("--mixes", type=_words, default=list(MIXES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=32, help="decode steps a timed window")
+    p.add_argument("--check-heads", type=_ints, default=[16, 64, 128])
+    p.add_argument("--fault-heads", type=_ints, default=[16])
+    p.add_argument("--fi-heads", type=_ints, default=[16])
+    p.add_argument("--fi-site", default=os.environ.get("KIMI_DSA_FI_SITE"),
+                   help="FlashInfer's site (tools/device_run.sh --fi unpacks .carry/fi and sets $KIMI_DSA_FI_SITE)")
+    p.add_argument("--check-requests", type=int, default=CHECK_REQUESTS)
+    p.add_argument("--check-steps", type=int, default=CHECK_STEPS)
+    p.add_argument("--capture-sizes", type=_ints, default=list(CAPTURE_SIZES))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--budget", type=float, default=math.inf, help="seconds: no new head count starts past it")
+    p.add_argument("--shims", action="store_true", help="tools/vllm_device_shims.py first (the device)")
     args = parser.parse_args(argv)
-    return run(args) if args.command == "run" else worker(args)
+    return run(args)
 
 
 if __name__ == "__main__":

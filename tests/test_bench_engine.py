@@ -1,73 +1,124 @@
-"""benchmarks/bench_engine.py on a CPU: the comparison rule, the workload, the model's config through vLLM's own
-EngineArgs (at a mocked SM 9.0), and the table. The engines themselves run on a GPU (tests/test_vllm_engine_gpu.py)."""
+"""benchmarks/bench_engine.py and engine_worker.py on a CPU: the comparison and its bound, the workloads, the engine's
+arguments through vLLM's own EngineArgs (at a mocked SM 9.0), the recorder, the run's verdicts with stand-in engines,
+and the committed device report held to the module's bound. The engines run on a GPU (tests/test_vllm_engine_gpu.py);
+the worker's instruments run on vLLM's own layer in tests/test_vllm_layer_cpu.py."""
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import json
+import math
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "benchmarks" / "bench_engine.py")
-be = importlib.util.module_from_spec(spec)
-sys.modules["bench_engine"] = be
-spec.loader.exec_module(be)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_engine as be  # noqa: E402
+import engine_worker as ew  # noqa: E402
 
 
-def _run(tokens, logprobs=None):
-    return {"tokens": tokens, "logprobs": logprobs}
+def _logprobs(requests=4, steps=6, vocab=64, seed=0, peak=4.0):
+    """(requests, 1 + steps, vocab) log-probabilities with one clear top token a step (fresh random, never flat)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(requests, 1 + steps, vocab, generator=g)
+    logits[..., 0] += peak
+    return torch.log_softmax(logits, dim=-1)
 
 
-def _rows(*peaks, vocab=8, gap=3.0):
-    """One log-probability row a step: token `p` on top by `gap`, the rest flat."""
-    return [[0.0 if t == p else -gap for t in range(vocab)] for p in peaks]
+# ---------------------------------------------------------------------------------------------------- comparison
 
 
-def test_compare_accepts_the_same_run():
-    ref = [_run([1, 2, 3], _rows(1, 2, 3))]
-    result = be.compare(ref, ref)
-    assert result["ok"] and result["max_logprob_diff"] == 0.0
+def test_tie_margin_is_twice_the_bound():
+    """An engine within the bound moves each log-probability by at most it, so the top-two gap by at most twice it."""
+    assert be.TIE_MARGIN == 2 * be.LOGPROB_BOUND
+    assert be.compare(_logprobs(), _logprobs())["tie_margin"] == be.TIE_MARGIN
 
 
-def test_compare_fails_a_logprob_difference_past_the_bound():
-    ref = [_run([1, 2], _rows(1, 2))]
-    shifted = _rows(1, 2)
-    shifted[1][5] += 2 * be.LOGPROB_BOUND
-    result = be.compare(ref, [_run([1, 2], shifted)])
-    assert not result["ok"] and result["first_decode_diff"] == pytest.approx(2 * be.LOGPROB_BOUND)
+def test_compare_accepts_the_same_run_and_a_spread_within_the_bound():
+    ref = _logprobs()
+    assert be.compare(ref, ref)["ok"] and be.compare(ref, ref)["max"] == 0.0
+    near = ref + 0.9 * be.LOGPROB_BOUND * (2 * torch.rand(ref.shape, generator=torch.Generator().manual_seed(1)) - 1)
+    result = be.compare(ref, near)
+    assert result["ok"] and 0.5 * be.LOGPROB_BOUND < result["max"] <= be.LOGPROB_BOUND
 
 
-def test_compare_fails_a_different_token_where_the_reference_is_sure():
-    ref = [_run([1, 2, 3], _rows(1, 2, 3))]
-    result = be.compare(ref, [_run([1, 4, 3], _rows(1, 2, 3))])
-    assert not result["ok"] and result["requests"][0]["diverged_at"] == 1
+def test_compare_fails_one_decode_step_past_the_bound_but_not_the_prefill_token():
+    ref = _logprobs()
+    other = ref.clone()
+    other[2, 0, 5] += 3 * be.LOGPROB_BOUND  # step 0: the token after the prompt, not a decode step
+    assert be.compare(ref, other)["ok"]
+    other[2, 4, 5] += 1.01 * be.LOGPROB_BOUND
+    result = be.compare(ref, other)
+    assert not result["ok"] and result["over_bound"] == pytest.approx(0.25)
+    assert result["per_request_max"][2] == pytest.approx(1.01 * be.LOGPROB_BOUND, rel=1e-4)
 
 
-def test_compare_accepts_a_different_token_at_a_near_tie_and_stops_there():
-    tie = _rows(1, 2, 3)
-    tie[1][4] = tie[1][2] - be.TIE_MARGIN / 2  # tokens 2 and 4 within the margin at step 1
-    other = [list(row) for row in tie[:2]] + _rows(6)  # the same step-1 values (inputs equal), then its own
-    other[1][4] += be.LOGPROB_BOUND / 2  # which tips it to token 4
-    result = be.compare([_run([1, 2, 3], tie)], [_run([1, 4, 6], other)])
-    row = result["requests"][0]
-    assert result["ok"] and row["diverged_at"] == 1 and row["near_tie"]
+def test_compare_fails_a_missing_step():
+    ref = _logprobs()
+    other = ref.clone()
+    other[1, 3] = float("nan")
+    result = be.compare(ref, other)
+    assert not result["ok"] and result["missing_steps"] == 1
 
 
-def test_compare_checks_tokens_alone_when_the_other_has_no_logprobs():
-    ref = [_run([1, 2, 3], _rows(1, 2, 3))]
-    assert be.compare(ref, [_run([1, 2, 3])])["ok"]
-    assert not be.compare(ref, [_run([1, 5, 3])])["ok"]
+def test_a_flipped_token_fails_only_where_the_reference_is_sure():
+    """Top two exactly TIE_MARGIN apart: sure, a flip fails even within the bound; a hair under: a near tie."""
+    for gap, ok in ((be.TIE_MARGIN, False), (0.999 * be.TIE_MARGIN, True)):
+        ref = torch.full((1, 3, 8), -10.0)
+        ref[:, :, 0], ref[:, :, 1] = 0.0, -gap
+        other = ref.clone()
+        other[0, 1, 1] = 0.5  # token 1 now on top at step 1, 0.5 above the reference's value for token 0
+        other[0, 1, 0] = 0.4
+        result = be.compare(ref, other, bound=10.0)
+        assert result["ok"] is ok and result["confident_token_flips"] == (0 if ok else 1), (gap, result)
 
 
-def test_workload_spans_100_to_6000_tokens_and_is_seeded():
-    lengths = be.prompt_lengths(32, seed=3)
-    assert min(lengths) == 100 and max(lengths) == 6000 and lengths == be.prompt_lengths(32, seed=3)
-    batch = be.prompts(lengths[:3], seed=3, repeat=be.CHECK_REPEAT)
-    assert [len(p) for p in batch] == lengths[:3]
-    assert all(2 <= t < be.VOCAB for p in batch for t in p)
-    assert batch[0][: be.CHECK_REPEAT] == batch[0][be.CHECK_REPEAT: 2 * be.CHECK_REPEAT]
+def test_a_fault_is_caught_on_most_requests_and_the_scale_fault_at_the_first_decode_step():
+    ref = _logprobs(requests=4)
+    late = ref.clone()
+    late[:3, 5:, 7] += 2 * be.LOGPROB_BOUND  # 3 of 4 requests past the bound, from step 5 on only
+    result = be.compare(ref, late)
+    assert result["over_bound"] == 0.75 and result["first_decode_over_bound"] == 0.0
+    assert be.fault_caught(result, "half_topk") and not be.fault_caught(result, "softmax_scale")
+    half = ref.clone()
+    half[:2, 1:, 7] += 2 * be.LOGPROB_BOUND  # exactly half the requests: not "most"
+    assert not be.fault_caught(be.compare(ref, half), "slot_off_by_one")
+    early = ref.clone()
+    early[:3, 1:, 7] += 2 * be.LOGPROB_BOUND
+    assert be.fault_caught(be.compare(ref, early), "softmax_scale")
+
+
+def test_the_bound_is_derived_from_the_spread():
+    assert be.derive_bound([0.0812, 0.05]) == pytest.approx(0.13)  # 1.5 x 0.0812 = 0.1218, up to 2 digits
+    assert be.derive_bound([0.3]) == pytest.approx(0.45)
+    with pytest.raises(ValueError, match="spreads"):
+        be.derive_bound([0.0])
+
+
+# ---------------------------------------------------------------------------------------------------- workloads
+
+
+def test_check_workload_contexts_pass_index_topk_and_every_trace_is_forced():
+    prompts, traces = be.check_workload()
+    assert len(prompts) == len(traces) == be.CHECK_REQUESTS >= 64
+    assert all(be.TOPK < be.CHECK_CONTEXT[0] <= len(p) <= be.CHECK_CONTEXT[1] for p in prompts)
+    assert {len(t) for t in traces} == {1 + be.CHECK_STEPS} and be.CHECK_STEPS >= 64
+    assert all(2 <= x < be.VOCAB for p in prompts + traces for x in p)
+    assert be.check_workload() == (prompts, traces)  # every engine gets the same
+
+
+def test_context_mixes():
+    assert be.context_lengths("uniform-4096", 8, seed=1) == [4096] * 8
+    ragged = be.context_lengths("ragged-100-8000", 128, seed=1)
+    assert min(ragged) == 100 and max(ragged) == 8000 and ragged == be.context_lengths("ragged-100-8000", 128, 1)
+    assert sum(n < 2048 for n in ragged) > 32 and sum(n > 2048 for n in ragged) > 16  # both sides of index_topk
+    with pytest.raises(ValueError, match="context mix"):
+        be.context_lengths("lognormal", 8, seed=1)
 
 
 def test_model_is_deepseek_v32_attention_as_released():
@@ -77,72 +128,213 @@ def test_model_is_deepseek_v32_attention_as_released():
     assert config["first_k_dense_replace"] == config["num_hidden_layers"]  # dense MLP in every layer
 
 
+# ---------------------------------------------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("flash_attention", [False, True])
+def test_force_mqa_only_where_flash_attention_is_absent(monkeypatch, flash_attention):
+    """The device has no FlashAttention (tools/pack_vllm.sh carries none), so vLLM's dense-MHA prefill of short prompts
+    cannot run there: every prefill goes through the sparse backends instead, and every row says so. A user's vLLM
+    has FlashAttention, and the flag stays off."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (real("json") if flash_attention else None) if "_vllm_fa" in name
+                        else real(name, *a))
+    assert ew.flash_attention_present() is flash_attention
+    args = argparse.Namespace(shims=False, capture_sizes=[1, 2], gpu_memory_utilization=0.3)
+    spec = be.engine_spec(Path("/nowhere"), "x", Path("/model"), be.OURS, 16, args)
+    assert spec["force_mqa"] is not flash_attention
+    kwargs = ew.engine_kwargs("/model", be.OURS, force_mqa=spec["force_mqa"])
+    assert kwargs["attention_config"].get("sparse_mla_force_mqa", False) is not flash_attention
+    assert ("sparse_mla_force_mqa" in ew.prefill_path(spec["force_mqa"])) is not flash_attention
+
+
+def test_the_engines_sampler_never_asks_flashinfer(monkeypatch):
+    """vLLM's sampler asks FlashInfer whether it can sample (an import of FlashInfer's backend, which the device lacks:
+    the H100's engines stopped there, 2026-12-07) unless VLLM_USE_FLASHINFER_SAMPLER is 0, which ENGINE_ENV sets."""
+    pytest.importorskip("vllm")
+    import vllm.v1.sample.ops.topk_topp_sampler as sampler
+    import vllm_harness as vh
+
+    monkeypatch.setattr(sampler, "current_platform", vh.cuda_platform_class()())
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.flashinfer", None)  # FlashInfer absent
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    with pytest.raises(ImportError):
+        sampler.flashinfer_sampler_supported()
+    for name, value in ew.ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert sampler.flashinfer_sampler_supported() is False
+
+
 @pytest.mark.parametrize("backend", [be.OURS, be.FLASHMLA])
 def test_vllm_builds_the_engine_config_at_sm90(tmp_path, backend, monkeypatch):
-    """vLLM's own EngineArgs takes the model and the engine arguments the bench passes, with breakable CUDA graphs
-    (compilation mode NONE) as vLLM turns them on for DeepSeek-V3.2, and index_topk 2048."""
+    """vLLM's own EngineArgs takes what every engine of the run is given: breakable CUDA graphs (compilation mode
+    NONE, as vLLM turns them on for DeepSeek-V3.2) at the run's capture sizes, Model Runner V2 (trace replay needs
+    it), trace replay on, the recorder as a custom logits processor, force-MQA, index_topk 2048."""
     pytest.importorskip("vllm")
-    sys.path.insert(0, str(ROOT / "tests"))
     import vllm_harness as vh
     from unittest.mock import patch
     from vllm.engine import arg_utils
     from vllm.engine.arg_utils import EngineArgs
 
-    # create_engine_config sets VLLM_USE_BREAKABLE_CUDAGRAPH=1 for DeepSeek-V3.2 when unset: unset here, then undone
-    # (monkeypatch.delenv of an absent variable records nothing to restore)
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "")
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
     model = be.write_model(tmp_path / "model", 16)
+    kwargs = ew.engine_kwargs(str(model), backend, force_mqa=True, capture_sizes=list(be.CAPTURE_SIZES))
     with vh.gpu_capability(9, 0), patch.object(arg_utils, "current_platform", vh.cuda_platform_class()()):
-        config = EngineArgs(**be.engine_kwargs(str(model), backend, max_num_seqs=128)).create_engine_config()
-    assert config.attention_config.backend.name == backend
-    assert config.cache_config.cache_dtype == "fp8"
-    assert int(config.compilation_config.mode) == 0
+        config = EngineArgs(**kwargs).create_engine_config()
+    assert config.attention_config.backend.name == backend and config.attention_config.sparse_mla_force_mqa
+    assert config.cache_config.cache_dtype == "fp8" and int(config.compilation_config.mode) == 0
+    assert list(config.compilation_config.cudagraph_capture_sizes) == list(be.CAPTURE_SIZES)
+    assert config.use_v2_model_runner and config.model_config.enable_trace_replay
+    assert config.model_config.logits_processors == [ew.RecordLogits]
     assert config.model_config.hf_text_config.index_topk == 2048
     assert config.model_config.get_num_attention_heads(config.parallel_config) == 16
 
 
-def test_table_gives_the_ratio_per_point():
-    rows = [{"backend": be.OURS, "heads": 128, "requests": 32, "tokens_per_s": 1500.0, "attention_share": 0.4},
-            {"backend": be.FLASHMLA, "heads": 128, "requests": 32, "tokens_per_s": 1000.0, "attention_share": 0.5}]
-    text = be.table(rows)
-    assert "| 128 | 32 | 1500 (0.40) | 1000 (0.50) | 1.50x |" in text
-
-
-def test_seeded_loader_gives_trained_sizes_the_same_in_every_engine():
-    """The 'dsa_seeded' weights: matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1, biases 0, drawn from each
-    tensor's name, so two engines of a run (two processes) hold the same weights; vLLM's own dummy values are +-1e-3."""
+def test_recorder_is_a_v2_logits_processor_and_records_by_output_step():
+    """RecordLogits through vLLM's V2 loader; rows of a recorded request land at step pos + 1 - prompt_len (a chunk
+    short of the prompt's end records nothing), the logits pass through unchanged, other requests are declined."""
     pytest.importorskip("vllm")
-    import torch
-    from vllm.config.load import LoadConfig
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
 
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = torch.nn.Embedding(64, 256)
-            self.proj = torch.nn.Linear(256, 512)
-            self.proj2 = torch.nn.Linear(256, 512)  # same shape, another name: other values
-            self.norm = torch.nn.LayerNorm(256)
-
-    loader = be._register_seeded_loader()(LoadConfig(load_format="dsa_seeded"))
-    a, b = Toy(), Toy()
-    loader.load_weights(a, None)
-    loader.load_weights(b, None)
-    assert torch.equal(a.proj.weight, b.proj.weight) and torch.equal(a.embed_tokens.weight, b.embed_tokens.weight)
-    assert a.proj.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.05)
-    assert a.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
-    assert torch.all(a.norm.weight == 1) and torch.all(a.norm.bias == 0) and torch.all(a.proj.bias == 0)
-    assert not torch.equal(a.proj.weight, a.proj2.weight)
+    assert _load_v2_logitsprocs_by_fqcns([ew.RecordLogits]) == [ew.RecordLogits]
+    ew.RecordLogits.instances.clear()
+    rec = ew.RecordLogits(None, None)
+    params = lambda extra: SimpleNamespace(extra_args=extra)  # noqa: E731
+    assert rec.add_request(3, params({"record_key": 0, "prompt_len": 10}))
+    assert rec.add_request(5, params({"record_key": 1, "prompt_len": 4}))
+    assert not rec.add_request(6, params(None))
+    logits = torch.randn(4, 16)
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor([3, 5, 6, 3]), pos=torch.tensor([6, 3, 9, 9]))
+    out = rec.apply(logits.clone(), ctx)
+    assert torch.equal(out, logits)
+    got = ew.RecordLogits.collect([0, 1], steps=2)
+    assert torch.allclose(got[0, 0], torch.log_softmax(logits[3], -1))  # pos 9 of a 10-token prompt: step 0
+    assert torch.allclose(got[1, 0], torch.log_softmax(logits[1], -1))  # pos 3 of 4: step 0
+    assert torch.isnan(got[0, 1]).all() and torch.isnan(got[1, 1]).all()
+    ew.RecordLogits.instances.clear()
 
 
-def test_greedy_params_and_prompts_are_vllms_own():
-    """What every engine of the run is asked: greedy, past EOS, the full vocabulary's log-probabilities when asked,
-    token-id prompts (no tokenizer)."""
+def test_kernel_classes_of_the_names_seen_on_the_h100():
+    """The attention of a decode step, as both sides' kernels were named in the H100's profiles (2026-12-07)."""
+    seen = {
+        "few_heads_kernel": "decode", "combine_kernel": "combine", "_fused_q_kernel": "query",
+        "void legacy::sm90::decode::sparse::flash_fwd_splitkv_mla_fp8_sparse_kernel<legacy::sm90::decode": "decode",
+        "void smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t, 512, 8, 32, 256, false>": "combine",
+        "sparse_mla_index_remap_kernel": "topk_convert", "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT": "other",
+        "void deep_gemm::sm90_fp8_paged_mqa_logits<1u, 64u, 128u>": "other", "_fused_norm_rope_kernel": "other",
+        "void vllm::cooperative::cooperative_topk_cs8<2048u>": "other",
+    }
+    assert {name: ew.kernel_class(name) for name in seen} == seen
+    window = be.classify({"few_heads_kernel": 400.0, "combine_kernel": 40.0, "_fused_q_kernel": 80.0,
+                          "nvjet_sm90_x": 1000.0, "sparse_mla_index_remap_kernel": 20.0}, steps=4)
+    assert window["attention_us"] == pytest.approx(130.0) and window["gpu_us"] == pytest.approx(385.0)
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+class _StandInEngine:
+    """An engine process answering as engine_worker.serve does, with log-probabilities made here: FlashMLA's are
+    the reference; ours within the bound; a fault as `faults` says."""
+
+    faults: dict[str, float] = {}
+
+    def __init__(self, spec: dict) -> None:
+        self.spec, self.error, self.mode = spec, None, "none"
+        self.info = {"backend": spec["backend"], "heads": spec["heads"], "gpu": "stand-in",
+                     "prefill_path": ew.prefill_path(spec["force_mqa"]),
+                     "config": {"max_num_seqs": 128, "capture_sizes": [1, 2], "cudagraph_mode": "FULL",
+                                "compilation_mode": "0", "async_scheduling": True}}
+
+    def call(self, command: str, **kw):
+        if command == "set_fault":
+            self.mode = kw["mode"]
+            return self.mode
+        if command == "check":
+            requests, steps = len(kw["prompts"]), len(kw["traces"][0])
+            ref = _logprobs(requests, steps - 1, vocab=32)
+            offset = 0.0 if self.spec["backend"] == be.FLASHMLA else 0.5 * be.LOGPROB_BOUND
+            offset = self.faults.get(self.mode, offset) if self.mode != "none" else offset
+            values = ref.clone()
+            values[..., 3] += offset
+            return {"logprobs": values, "coverage": {}, "probe": {}, "seconds": 0.0, "tokens_follow_trace": True}
+        if command == "start_batch":
+            return {"prefill_s": 0.1}
+        if command == "decode_window":
+            steps = kw["steps"]
+            us = 1000.0 if self.spec["backend"] == be.OURS else 1200.0
+            if kw.get("profile"):
+                return {"steps": steps, "kernels_us": {"few_heads_kernel": 100.0 * steps, "other": 500.0 * steps},
+                        "scheduled_steps": steps, "pure_decode": True}
+            return {"steps": steps, "seconds": us * steps * 1e-6, "scheduled_steps": steps, "pure_decode": True}
+        return {}
+
+    def startup_line(self):
+        return "vllm_kimi_dsa serves" if self.spec["backend"] == be.OURS else None
+
+    def stop(self):
+        pass
+
+
+def _run(tmp_path, monkeypatch, faults: dict[str, float]) -> tuple[int, dict, list]:
+    monkeypatch.setattr(be, "EngineProcess", _StandInEngine)
+    monkeypatch.setattr(_StandInEngine, "faults", faults)
+    out = tmp_path / "engine"
+    rc = be.main(["run", "--out", str(out), "--heads", "16", "--requests", "", "--check-heads", "16",
+                  "--fault-heads", "16", "--fi-heads", "", "--check-requests", "4", "--check-steps", "3"])
+    return rc, json.loads((out / "engine_report.json").read_text()), json.loads((out / "engine.json").read_text())
+
+
+def test_run_passes_when_ours_is_within_the_bound_and_every_fault_is_caught(tmp_path, monkeypatch):
+    rc, report, _ = _run(tmp_path, monkeypatch, {f: 3 * be.LOGPROB_BOUND for f in ew.FAULTS})
+    compared = report["heads"]["16"]["compare"]
+    assert rc == 0 and compared[be.OURS]["passes"] and all(compared[f"eager:{f}"]["passes"] for f in ew.FAULTS)
+    assert report["spread"] == pytest.approx(0.5 * be.LOGPROB_BOUND, rel=1e-4)
+    assert report["measured_bound"] == be.derive_bound([report["spread"]])
+
+
+def test_run_fails_when_a_fault_passes_the_comparison(tmp_path, monkeypatch):
+    """A negative control inside the bound (the comparison cannot see it) must make the run fail."""
+    faults = {f: 3 * be.LOGPROB_BOUND for f in ew.FAULTS}
+    faults["half_topk"] = 0.2 * be.LOGPROB_BOUND
+    rc, report, _ = _run(tmp_path, monkeypatch, faults)
+    assert rc == 1 and not report["heads"]["16"]["compare"]["eager:half_topk"]["passes"]
+
+
+def test_timing_rows_carry_the_issues_fields(tmp_path, monkeypatch):
+    monkeypatch.setattr(be, "EngineProcess", _StandInEngine)
+    args = argparse.Namespace(repeats=3, steps=8)
+    engines = {n: _StandInEngine({"backend": n, "heads": 16, "force_mqa": True}) for n in (be.OURS, be.FLASHMLA)}
+    rows = be.time_point(engines, 16, 8, "ragged-100-8000", args, copy_gbps=3000.0)
+    for row in rows:
+        assert {"backend", "heads", "requests", "context_mix", "decode_step_us", "attention_us", "tokens_per_s", "gpu",
+                "prefill_path"} <= set(row)
+        assert row["pure_decode"] and len(row["decode_step_us_repeats"]) == 3 and row["attention_floor_us"] > 0
+    ours, flashmla = rows
+    assert (ours["decode_step_us"], flashmla["decode_step_us"]) == (1000.0, 1200.0)
+    assert ours["tokens_per_s"] == pytest.approx(8000.0) and ours["attention_us"] == pytest.approx(100.0)
+    assert "| 16 | 8 | ragged-100-8000 | 1000 / 1200 |" in be.table(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def test_seeded_weights_are_the_same_in_two_processes(tmp_path):
+    """Two engines of a run are two processes: the seeded loader must draw the same weights in each (a generator
+    seeded by the tensor's name, never Python's per-process hash)."""
     pytest.importorskip("vllm")
-    from vllm import SamplingParams
-
-    params = be._greedy(12, logprobs=-1)
-    assert isinstance(params, SamplingParams)
-    assert (params.temperature, params.max_tokens, params.ignore_eos, params.logprobs) == (0.0, 12, True, -1)
-    (prompt,) = be._token_prompts([[5, 6, 7]])
-    assert prompt["prompt_token_ids"] == [5, 6, 7]
+    code = (
+        "import sys, hashlib, torch; sys.path.insert(0, {bench!r}); import engine_worker as ew\n"
+        "from vllm.config.load import LoadConfig\n"
+        "m = torch.nn.Module(); m.q_b_proj = torch.nn.Linear(64, 96); m.embed_tokens = torch.nn.Embedding(32, 64)\n"
+        "ew.register_seeded_loader()(LoadConfig(load_format='dsa_seeded')).load_weights(m, None)\n"
+        "print(hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in m.state_dict().values())).hexdigest())\n"
+    ).format(bench=str(ROOT / "benchmarks"))
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+                              ).stdout.strip().splitlines()[-1] for seed in (1, 2)}
+    assert len(digests) == 1 and len(next(iter(digests))) == 64, digests

@@ -248,3 +248,82 @@ def test_masked_mha_never_takes_a_cache_the_core_reads():
         for fmt in ("fp8", "fp8_e4m3", "nvfp4_ds_mla"):
             assert not sparse_mla._is_masked_mha_available(128, 512, 128, 64, 128, fmt), fmt
         assert sparse_mla._is_masked_mha_available(128, 512, 128, 64, 128, "auto")  # the check can say yes
+
+
+# ---------------------------------------------------------------- the engine benchmark's instruments on vLLM's layer
+
+
+@pytest.fixture(scope="module")
+def engine_worker():
+    """benchmarks/engine_worker.py (the engine benchmark's worker side), every patch it makes undone after."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_worker.py"
+    spec = importlib.util.spec_from_file_location("engine_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["engine_worker"] = module
+    spec.loader.exec_module(module)
+    yield module
+    module.restore()
+
+
+def test_seeded_loader_on_vllms_attention_layer(tmp_path, engine_worker):
+    """The engine's seeded weights on vLLM's own DeepseekV32Attention. Its 0-d FP8 scales (_k_scale, _q_scale, ...,
+    1.0 as built) are drawn like weights by vLLM's dummy loader (+-1e-3): vLLM's cache writer and fused_q then quantize
+    by them while the decode reads _k_scale_float = 1.0, a cache of saturated, sign-flipped e4m3. The seeded loader
+    puts every 0-d scale back as an unquantized checkpoint leaves it (1.0; a KV-cache scale parameter, where a
+    quantization config makes one, to its "not loaded" -1, from which vLLM's post-load hook sets 1.0); an earlier
+    loader that drew normal_(0, shape[-1] ** -0.5) for them died with IndexError (H100, 2026-12-07). Matrices are
+    N(0, 1/fan_in), q_b_proj QUERY_GAIN times that."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    with _cpu_rig(tmp_path) as r:
+        scalars = lambda: {n: float(t) for n, t in r.layer.state_dict(keep_vars=True).items() if t.dim() == 0}
+        assert {"_k_scale", "_v_scale", "_q_scale", "_prob_scale"} <= set(scalars())
+        DummyModelLoader(LoadConfig(load_format="dummy")).load_weights(r.layer, r.config.model_config)
+        assert all(abs(v) <= 1e-3 for v in scalars().values()), scalars()  # what vLLM's dummy loader leaves
+        engine_worker.register_seeded_loader()(LoadConfig(load_format="dsa_seeded")).load_weights(
+            r.layer, r.config.model_config)
+        assert set(scalars().values()) == {1.0}, scalars()
+        state = r.layer.state_dict(keep_vars=True)
+        q_b = next(t for n, t in state.items() if n.endswith("q_b_proj.weight"))
+        other = next(t for n, t in state.items() if n.endswith("o_proj.weight"))
+        assert q_b.float().std().item() == pytest.approx(engine_worker.QUERY_GAIN * q_b.shape[-1] ** -0.5, rel=0.05)
+        assert other.float().std().item() == pytest.approx(other.shape[-1] ** -0.5, rel=0.05)
+    param = KVCacheScaleParameter()
+    param.data.fill_(5e-4)  # a dummy draw vLLM's post-load hook would take for a real k_scale
+    engine_worker.seeded_value("model.layers.0.self_attn.attn.k_scale", param, None)
+    assert float(param) == engine_worker.SCALE_NOT_LOADED
+
+
+def test_engine_faults_counters_and_probe_on_vllms_layer(tmp_path, engine_worker):
+    """The engine benchmark's instruments through vLLM's layer in the interpreter: every planted fault moves the
+    layer's output far past its rounding, and switching back to none gives the unfaulted output bit for bit (the
+    softmax-scale fault's step rebuilt at the real scale); the device counters count this backend's forward_mqa and
+    core calls and their rows; the logit probe samples the eager calls."""
+    ew = engine_worker
+    ew.Coverage.install(device="cpu")
+    ew.LogitProbe.install()
+    ew.Faults.install()
+    try:
+        with _cpu_rig(tmp_path) as r:
+            batch = r.batch([rig.Request(2500, 1), rig.Request(2200, 1), rig.Request(40, 1)])
+            clean = r.forward(batch).float()
+            for mode in ew.FAULTS:
+                ew.Faults.mode = mode
+                moved = (r.forward(batch).float() - clean).norm() / clean.norm()
+                assert moved > 2.0**-5, (mode, float(moved))
+            ew.Faults.mode = "none"
+            assert torch.equal(r.forward(batch).float(), clean)
+            counts = ew.Coverage.read()
+            assert counts["KimiDSAFlashInferMLASparseImpl.forward_mqa"] == {"calls": 6, "rows": 18}, counts
+            assert counts["FlashInferCore.decode"]["calls"] == 6, counts
+            assert counts["FlashMLASparseImpl.forward_mqa"]["calls"] == 0, counts
+            probe = ew.LogitProbe.summary()
+            assert probe["rows"] > 0 and probe["logit_std_median"] > 0 and 0 < probe["top_probability_median"] <= 1
+    finally:
+        ew.restore()

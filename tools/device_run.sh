@@ -19,6 +19,8 @@
 # (.carry/vllm_flashmla, SO=flashmla FROM=.carry/vllm bash tools/pack_vllm.sh .carry/vllm_flashmla: FlashMLA's
 # libraries alone, what the suite's FlashMLA peers run; small enough to carry with .carry/fi). Offline: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, no usage stats,
 # the engine in-process. A test calls tools/vllm_device_shims.py's install() first (what torch 2.11 cannot load).
+# --fi: FlashInfer from .carry/fi unpacked, named by $KIMI_DSA_FI_SITE (not on PYTHONPATH): bench_engine.py's
+# FLASHINFER_MLA_SPARSE_SM90 engine puts it on its own path.
 # --budget S: seconds for all steps (default 560). $OUT gets summary.txt and one log a step (N_STEP.log); past 8 files
 # (what the tool returns) all but summary.txt and bench_suite.json go into logs.tgz. DRY=1 prints the steps only.
 set -u -o pipefail
@@ -70,6 +72,25 @@ vllm_env() {
     "TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0"
 }
 
+# fi_env: the FlashInfer tree prepare.sh packed, unpacked at /tmp/fi/site for its JIT (sm_90a, 16 jobs, a libcuda
+# link shim), named by $KIMI_DSA_FI_SITE; peer_env puts it on PYTHONPATH too (the suite's fa3 peer), --fi does not
+# (bench_engine.py gives it to vLLM's FLASHINFER_MLA_SPARSE_SM90 engine alone: the other engines run without it)
+peer_env() { fi_env && export PYTHONPATH=/tmp/fi/site:$PYTHONPATH; }
+fi_env() {
+  [ -f .carry/fi/fi_site.tar.xz ] || return 1
+  if [ -z "${DRY:-}" ] && [ ! -d /tmp/fi/site ]; then
+    mkdir -p /tmp/fi && tar -xJf .carry/fi/fi_site.tar.xz -C /tmp/fi || return 1
+  fi
+  export KIMI_DSA_FI_SITE=/tmp/fi/site FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=16 \
+    FLASHINFER_CUDA_ARCH_LIST=9.0a
+  local ch; ch=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+  if [ ! -e "$ch/lib64/stubs/libcuda.so" ] && [ ! -e "$ch/lib64/libcuda.so" ]; then
+    [ -n "${DRY:-}" ] || { mkdir -p /tmp/culink &&
+      ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so; }
+    export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/culink
+  fi
+}
+
 export PYTHONPATH=$ROOT PYTHONUNBUFFERED=1
 while [ $# -gt 0 ]; do
   case $1 in
@@ -78,6 +99,8 @@ while [ $# -gt 0 ]; do
     --vllm=*) VLLM_PACK=${1#--vllm=}; vllm_env || exit 3; shift;;
     --vllm) if [ -f "${2:-}/vllm_site.tar.xz" ]; then VLLM_PACK=$2; shift; fi
             vllm_env || exit 3; shift;;
+    --fi) fi_env || { echo "no .carry/fi: ../shared/device/flashinfer-sm90/prepare.sh .carry/fi here, carry it"; exit 3; }
+          [ -z "${DRY:-}" ] || echo "KIMI_DSA_FI_SITE=$KIMI_DSA_FI_SITE (FlashInfer for the SM90 engine alone)"; shift;;
     --budget) BUDGET=$2; shift 2;;
     *) break;;
   esac
@@ -99,21 +122,6 @@ run() {
   local rc=$?
   say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
   return $rc
-}
-# peer: the FlashInfer tree prepare.sh packed, unpacked for the suite's JIT (sm_90a, 16 jobs, a libcuda link shim)
-peer_env() {
-  [ -f .carry/fi/fi_site.tar.xz ] || return 1
-  if [ -z "${DRY:-}" ] && [ ! -d /tmp/fi/site ]; then
-    mkdir -p /tmp/fi && tar -xJf .carry/fi/fi_site.tar.xz -C /tmp/fi || return 1
-  fi
-  export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=16 \
-    FLASHINFER_CUDA_ARCH_LIST=9.0a
-  local ch; ch=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
-  if [ ! -e "$ch/lib64/stubs/libcuda.so" ] && [ ! -e "$ch/lib64/libcuda.so" ]; then
-    [ -n "${DRY:-}" ] || { mkdir -p /tmp/culink &&
-      ln -sf "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')" /tmp/culink/libcuda.so; }
-    export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/culink
-  fi
 }
 step() {  # N STEP ARGS...
   local n=$1 s=$2; shift 2
