@@ -285,6 +285,7 @@ def restore() -> None:
     Coverage.counters.clear()
     LogitProbe.samples.clear()
     Faults.mode = "none"
+    QueryRounding.on = False
 
 
 class Coverage:
@@ -394,6 +395,35 @@ class LogitProbe:
                 "logit_std_max": stds[-1], "top_probability_median": tops[mid], "top_probability_max": tops[-1]}
 
 
+class QueryRounding:
+    """vLLM's FLASHINFER_MLA_SPARSE_SM90 (a BF16 query) fed this backend's query: each value rounded to e4m3 at the
+    layer's q scale and back, as vLLM's fused_q rounds it for this backend, while `on` (an eager engine: switched
+    between checks). Both engines then read the same cache bytes with the same query values, so what is left between
+    them is the kernels' own arithmetic; off, their difference is what the FP8 query costs."""
+
+    on = False
+
+    @classmethod
+    def install(cls) -> None:
+        import torch
+        import vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 as fi_sm90
+
+        impl_cls = fi_sm90.FlashInferMLASparseSM90Impl
+        forward_mqa = impl_cls.forward_mqa
+
+        def rounded(self, q, kv_cache, attn_metadata, layer):
+            if cls.on:
+                scale = float(layer._q_scale_float)
+
+                def e4m3(x):
+                    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().mul(scale).to(x.dtype)
+
+                q = tuple(e4m3(part) for part in q) if isinstance(q, tuple) else e4m3(q)
+            return forward_mqa(self, q, kv_cache, attn_metadata, layer)
+
+        _patch(impl_cls, "forward_mqa", rounded)
+
+
 class Faults:
     """The planted faults of FAULTS in this backend's impl, switched by `mode` between checks (an eager engine: every
     call runs this Python). The softmax-scale fault drops the layer's step so it is rebuilt at the new scale."""
@@ -481,6 +511,8 @@ class EngineServer:
                                "its own FLASHINFER_MLA_SPARSE, which refuses SM90")
         register_seeded_loader()
         Coverage.install()
+        if spec["backend"] == FLASHINFER_SM90:
+            QueryRounding.install()
         if spec["backend"] == OURS:
             LogitProbe.install()
             if spec.get("faults"):
@@ -537,6 +569,10 @@ class EngineServer:
         Faults.mode = mode
         return mode
 
+    def set_query_rounding(self, on: bool) -> bool:
+        QueryRounding.on = bool(on)
+        return QueryRounding.on
+
     def check(self, prompts: list[list[int]], traces: list[list[int]]) -> dict[str, Any]:
         """Every request forced down its trace (vLLM's trace replay), the log-probabilities of every output step
         recorded; with the device counters' increase over the run and the logit probe's summary."""
@@ -558,25 +594,26 @@ class EngineServer:
 
     def start_batch(self, prompts: list[list[int]], tokens: int, warmup: int) -> dict[str, Any]:
         """Adds one request a prompt (greedy, `tokens` tokens) and steps until every request has produced 1 + warmup
-        tokens: every prefill done, a few decode steps run at the full batch."""
+        tokens: every prefill done, a few decode steps run at the full batch. The engine is stepped as serving's
+        engine-core loop steps it (EngineCore.step_fn, what `vllm serve`'s core process runs): the front end's
+        output processing, another process in serving, stays out of the timed loop."""
         engine = self.llm.llm_engine
-        self.batch_ids = []
+        self.batch_ids, self.produced = [], {}
         for p in prompts:
             self.requests += 1
             rid = f"b{self.requests}"
-            engine.add_request(rid, token_prompts([p])[0], greedy(tokens))
+            self.produced[engine.add_request(rid, token_prompts([p])[0], greedy(tokens))] = 0
             self.batch_ids.append(rid)
-        self.produced = {rid: 0 for rid in self.batch_ids}
         start = time.perf_counter()
         self._step_until(1 + warmup)
         return {"requests": len(prompts), "prefill_s": time.perf_counter() - start}
 
     def _step_until(self, produced: int) -> int:
-        engine, steps = self.llm.llm_engine, 0
+        core, steps = self.llm.llm_engine.engine_core, 0
         while min(self.produced.values()) < produced:
-            for out in engine.step():
+            for out in core.get_output().outputs:
                 if out.request_id in self.produced:
-                    self.produced[out.request_id] = len(out.outputs[0].token_ids)
+                    self.produced[out.request_id] += len(out.new_token_ids)
             steps += 1
             if steps > 100000:
                 raise RuntimeError("the batch stopped producing tokens")
@@ -584,8 +621,9 @@ class EngineServer:
 
     def decode_window(self, steps: int, profile: bool = False) -> dict[str, Any]:
         """Times `steps` decode steps of the running batch (each request `steps` more tokens): wall time between the
-        first and the last synchronised, the scheduler's steps in between (each must be pure decode), and with
-        `profile` the torch profiler's GPU time by kernel over the same window instead of the wall time's."""
+        first and the last synchronised, the scheduler's steps in between (each must be pure decode: one token for
+        every request, none new), and with `profile` the torch profiler's GPU time by kernel over such a window
+        instead of the wall time."""
         import torch
 
         base = min(self.produced.values())
@@ -609,10 +647,9 @@ class EngineServer:
             result = {"seconds": time.perf_counter() - start}
         scheduled, self.scheduled = self.scheduled, None
         requests = len(self.batch_ids)
-        result.update(steps=steps, scheduled_steps=len(scheduled),
-                      pure_decode=bool(scheduled) and all(t == requests and r == requests and new == 0
-                                                          for t, r, new in scheduled),
-                      scheduled=scheduled[:4])
+        impure = [s for s in scheduled if s != (requests, requests, 0)]
+        result.update(steps=steps, scheduled_steps=len(scheduled), pure_decode=bool(scheduled) and not impure,
+                      impure_steps=impure[:6])
         return result
 
     def end_batch(self) -> dict[str, Any]:

@@ -33,29 +33,28 @@ def _logprobs(requests=4, steps=6, vocab=64, seed=0, peak=4.0):
 # ---------------------------------------------------------------------------------------------------- comparison
 
 
-def test_tie_margin_is_twice_the_bound():
+def test_the_tie_margin_is_twice_the_bound():
     """An engine within the bound moves each log-probability by at most it, so the top-two gap by at most twice it."""
-    assert be.TIE_MARGIN == 2 * be.LOGPROB_BOUND
-    assert be.compare(_logprobs(), _logprobs())["tie_margin"] == be.TIE_MARGIN
+    result = be.judge(be.compare(_logprobs(), _logprobs()), 0.3)
+    assert result["tie_margin"] == 0.6 and result["passes"]
 
 
 def test_compare_accepts_the_same_run_and_a_spread_within_the_bound():
     ref = _logprobs()
-    assert be.compare(ref, ref)["ok"] and be.compare(ref, ref)["max"] == 0.0
-    near = ref + 0.9 * be.LOGPROB_BOUND * (2 * torch.rand(ref.shape, generator=torch.Generator().manual_seed(1)) - 1)
+    assert be.compare(ref, ref)["max"] == 0.0 and be.judge(be.compare(ref, ref), 0.1)["passes"]
+    near = ref + 0.09 * (2 * torch.rand(ref.shape, generator=torch.Generator().manual_seed(1)) - 1)
     result = be.compare(ref, near)
-    assert result["ok"] and 0.5 * be.LOGPROB_BOUND < result["max"] <= be.LOGPROB_BOUND
+    assert 0.05 < result["max"] <= 0.1 and be.judge(result, 0.1)["passes"] and not be.judge(result, 0.05)["passes"]
 
 
 def test_compare_fails_one_decode_step_past_the_bound_but_not_the_prefill_token():
     ref = _logprobs()
     other = ref.clone()
-    other[2, 0, 5] += 3 * be.LOGPROB_BOUND  # step 0: the token after the prompt, not a decode step
-    assert be.compare(ref, other)["ok"]
-    other[2, 4, 5] += 1.01 * be.LOGPROB_BOUND
-    result = be.compare(ref, other)
-    assert not result["ok"] and result["over_bound"] == pytest.approx(0.25)
-    assert result["per_request_max"][2] == pytest.approx(1.01 * be.LOGPROB_BOUND, rel=1e-4)
+    other[2, 0, 5] += 3.0  # step 0: the token after the prompt, not a decode step
+    assert be.judge(be.compare(ref, other), 1.0)["passes"]
+    other[2, 4, 5] += 1.01
+    result = be.judge(be.compare(ref, other), 1.0)
+    assert not result["passes"] and result["over_bound"] == pytest.approx(0.25)
 
 
 def test_compare_fails_a_missing_step():
@@ -63,39 +62,58 @@ def test_compare_fails_a_missing_step():
     other = ref.clone()
     other[1, 3] = float("nan")
     result = be.compare(ref, other)
-    assert not result["ok"] and result["missing_steps"] == 1
+    assert result["missing_steps"] == 1 and not be.judge(result, 100.0)["passes"]
 
 
-def test_a_flipped_token_fails_only_where_the_reference_is_sure():
-    """Top two exactly TIE_MARGIN apart: sure, a flip fails even within the bound; a hair under: a near tie."""
-    for gap, ok in ((be.TIE_MARGIN, False), (0.999 * be.TIE_MARGIN, True)):
+def test_a_flipped_token_counts_only_where_the_reference_is_sure():
+    """A near tie (top two less than 2 x bound apart) may flip within the bound; where they are farther apart a flip
+    needs a step past the bound (so no correct engine flips there) and is counted."""
+    bound = 0.25
+    for gap, shift, passes, flips in ((0.4, 0.21, True, 0), (0.6, 0.31, False, 1)):
         ref = torch.full((1, 3, 8), -10.0)
         ref[:, :, 0], ref[:, :, 1] = 0.0, -gap
         other = ref.clone()
-        other[0, 1, 1] = 0.5  # token 1 now on top at step 1, 0.5 above the reference's value for token 0
-        other[0, 1, 0] = 0.4
-        result = be.compare(ref, other, bound=10.0)
-        assert result["ok"] is ok and result["confident_token_flips"] == (0 if ok else 1), (gap, result)
+        other[0, 1, 0] -= shift
+        other[0, 1, 1] += shift  # token 1 on top at step 1
+        result = be.judge(be.compare(ref, other), bound)
+        assert (result["passes"], result["confident_token_flips"]) == (passes, flips), (gap, result)
 
 
 def test_a_fault_is_caught_on_most_requests_and_the_scale_fault_at_the_first_decode_step():
     ref = _logprobs(requests=4)
     late = ref.clone()
-    late[:3, 5:, 7] += 2 * be.LOGPROB_BOUND  # 3 of 4 requests past the bound, from step 5 on only
+    late[:3, 5:, 7] += 2.0  # 3 of 4 requests past the bound (1.0), from step 5 on only
     result = be.compare(ref, late)
-    assert result["over_bound"] == 0.75 and result["first_decode_over_bound"] == 0.0
-    assert be.fault_caught(result, "half_topk") and not be.fault_caught(result, "softmax_scale")
+    assert be.judge(result, 1.0, "half_topk")["passes"] and not be.judge(result, 1.0, "softmax_scale")["passes"]
+    assert be.judge(result, 1.0, "half_topk")["over_bound"] == 0.75
     half = ref.clone()
-    half[:2, 1:, 7] += 2 * be.LOGPROB_BOUND  # exactly half the requests: not "most"
-    assert not be.fault_caught(be.compare(ref, half), "slot_off_by_one")
+    half[:2, 1:, 7] += 2.0  # exactly half the requests: not "most"
+    assert not be.judge(be.compare(ref, half), 1.0, "slot_off_by_one")["passes"]
     early = ref.clone()
-    early[:3, 1:, 7] += 2 * be.LOGPROB_BOUND
-    assert be.fault_caught(be.compare(ref, early), "softmax_scale")
+    early[:3, 1:, 7] += 2.0
+    assert be.judge(be.compare(ref, early), 1.0, "softmax_scale")["passes"]
+
+
+def test_assess_judges_ours_at_both_bounds_and_the_faults_on_the_same_inputs():
+    ref = _logprobs(requests=4)
+    shift = lambda x: ref + torch.where(torch.arange(ref.shape[-1]) == 3, x, 0.0)  # noqa: E731
+    logprobs = {be.FLASHMLA: ref, be.SAME_INPUTS: shift(1.0), be.FLASHINFER_SM90: shift(1.2), be.OURS: shift(1.05),
+                "eager:none": shift(1.05), **{f"eager:{f}": shift(3.0) for f in ew.FAULTS}}
+    compared = be.comparisons(logprobs)
+    assert set(compared) >= {f"{be.OURS} vs {be.FLASHMLA}", f"{be.OURS} vs {be.SAME_INPUTS}",
+                             f"{be.FLASHINFER_SM90} vs {be.SAME_INPUTS}", f"{be.OURS} vs eager:none"}
+    bounds = be.measured_bounds(compared)
+    assert bounds == {"format": be.derive_bound([1.2, 1.0]), "same_inputs": be.derive_bound([0.05])}
+    verdicts = be.assess(compared, bounds)
+    assert all(v["passes"] for v in verdicts.values() if not v.get("informational"))
+    assert verdicts[f"eager:softmax_scale vs {be.SAME_INPUTS}"]["bound"] == bounds["same_inputs"]
+    logprobs["eager:half_topk"] = shift(1.05)  # a fault the same-input check cannot see
+    assert not be.assess(be.comparisons(logprobs), bounds)[f"eager:half_topk vs {be.SAME_INPUTS}"]["passes"]
 
 
 def test_the_bound_is_derived_from_the_spread():
-    assert be.derive_bound([0.0812, 0.05]) == pytest.approx(0.13)  # 1.5 x 0.0812 = 0.1218, up to 2 digits
-    assert be.derive_bound([0.3]) == pytest.approx(0.45)
+    assert be.derive_bound([0.0812, 0.05]) == 0.13  # 1.5 x 0.0812 = 0.1218, up to 2 digits
+    assert be.derive_bound([0.3]) == 0.45 and be.derive_bound([1.822]) == 2.8
     with pytest.raises(ValueError, match="spreads"):
         be.derive_bound([0.0])
 
@@ -238,13 +256,14 @@ def test_kernel_classes_of_the_names_seen_on_the_h100():
 
 
 class _StandInEngine:
-    """An engine process answering as engine_worker.serve does, with log-probabilities made here: FlashMLA's are
-    the reference; ours within the bound; a fault as `faults` says."""
+    """An engine process answering as engine_worker.serve does, with log-probabilities made here: FlashMLA's the
+    reference, FlashInfer's `format` off it, ours `same` off FlashInfer's on our query, a fault as `faults` says."""
 
     faults: dict[str, float] = {}
+    format, same = 1.0, 0.0625
 
     def __init__(self, spec: dict) -> None:
-        self.spec, self.error, self.mode = spec, None, "none"
+        self.spec, self.error, self.mode, self.rounding = spec, None, "none", False
         self.info = {"backend": spec["backend"], "heads": spec["heads"], "gpu": "stand-in",
                      "prefill_path": ew.prefill_path(spec["force_mqa"]),
                      "config": {"max_num_seqs": 128, "capture_sizes": [1, 2], "cudagraph_mode": "FULL",
@@ -254,13 +273,18 @@ class _StandInEngine:
         if command == "set_fault":
             self.mode = kw["mode"]
             return self.mode
+        if command == "set_query_rounding":
+            self.rounding = kw["on"]
+            return self.rounding
         if command == "check":
             requests, steps = len(kw["prompts"]), len(kw["traces"][0])
-            ref = _logprobs(requests, steps - 1, vocab=32)
-            offset = 0.0 if self.spec["backend"] == be.FLASHMLA else 0.5 * be.LOGPROB_BOUND
-            offset = self.faults.get(self.mode, offset) if self.mode != "none" else offset
-            values = ref.clone()
-            values[..., 3] += offset
+            values = _logprobs(requests, steps - 1, vocab=32)
+            backend = self.spec["backend"]
+            if backend != be.FLASHMLA:
+                offset = self.format if backend == be.FLASHINFER_SM90 and not self.rounding else self.format * 0.875
+                offset += self.same if backend == be.OURS else 0.0
+                offset += self.faults.get(self.mode, 0.0) if self.mode != "none" else 0.0
+                values[..., 3] += offset
             return {"logprobs": values, "coverage": {}, "probe": {}, "seconds": 0.0, "tokens_follow_trace": True}
         if command == "start_batch":
             return {"prefill_s": 0.1}
@@ -269,8 +293,9 @@ class _StandInEngine:
             us = 1000.0 if self.spec["backend"] == be.OURS else 1200.0
             if kw.get("profile"):
                 return {"steps": steps, "kernels_us": {"few_heads_kernel": 100.0 * steps, "other": 500.0 * steps},
-                        "scheduled_steps": steps, "pure_decode": True}
-            return {"steps": steps, "seconds": us * steps * 1e-6, "scheduled_steps": steps, "pure_decode": True}
+                        "scheduled_steps": steps, "pure_decode": True, "impure_steps": []}
+            return {"steps": steps, "seconds": us * steps * 1e-6, "scheduled_steps": steps, "pure_decode": True,
+                    "impure_steps": []}
         return {}
 
     def startup_line(self):
@@ -283,26 +308,29 @@ class _StandInEngine:
 def _run(tmp_path, monkeypatch, faults: dict[str, float]) -> tuple[int, dict, list]:
     monkeypatch.setattr(be, "EngineProcess", _StandInEngine)
     monkeypatch.setattr(_StandInEngine, "faults", faults)
+    monkeypatch.setattr(be, "FORMAT_BOUND", 1.5)
+    monkeypatch.setattr(be, "SAME_INPUTS_BOUND", 0.1)
     out = tmp_path / "engine"
     rc = be.main(["run", "--out", str(out), "--heads", "16", "--requests", "", "--check-heads", "16",
-                  "--fault-heads", "16", "--fi-heads", "", "--check-requests", "4", "--check-steps", "3"])
+                  "--fault-heads", "16", "--fi-heads", "16", "--fi-site", "/fi", "--check-requests", "4",
+                  "--check-steps", "3"])
     return rc, json.loads((out / "engine_report.json").read_text()), json.loads((out / "engine.json").read_text())
 
 
-def test_run_passes_when_ours_is_within_the_bound_and_every_fault_is_caught(tmp_path, monkeypatch):
-    rc, report, _ = _run(tmp_path, monkeypatch, {f: 3 * be.LOGPROB_BOUND for f in ew.FAULTS})
-    compared = report["heads"]["16"]["compare"]
-    assert rc == 0 and compared[be.OURS]["passes"] and all(compared[f"eager:{f}"]["passes"] for f in ew.FAULTS)
-    assert report["spread"] == pytest.approx(0.5 * be.LOGPROB_BOUND, rel=1e-4)
-    assert report["measured_bound"] == be.derive_bound([report["spread"]])
+def test_run_passes_when_ours_is_within_the_bounds_and_every_fault_is_caught(tmp_path, monkeypatch):
+    rc, report, _ = _run(tmp_path, monkeypatch, {f: 1.0 for f in ew.FAULTS})
+    verdicts = report["heads"]["16"]["verdicts"]
+    assert rc == 0 and all(v["passes"] for v in verdicts.values() if not v.get("informational"))
+    assert len(verdicts) == 4 + len(ew.FAULTS) * 2
+    assert report["heads"]["16"]["measured_bounds"] == {"format": 1.5, "same_inputs": 0.094}
 
 
 def test_run_fails_when_a_fault_passes_the_comparison(tmp_path, monkeypatch):
     """A negative control inside the bound (the comparison cannot see it) must make the run fail."""
-    faults = {f: 3 * be.LOGPROB_BOUND for f in ew.FAULTS}
-    faults["half_topk"] = 0.2 * be.LOGPROB_BOUND
+    faults = {f: 1.0 for f in ew.FAULTS}
+    faults["half_topk"] = 0.02
     rc, report, _ = _run(tmp_path, monkeypatch, faults)
-    assert rc == 1 and not report["heads"]["16"]["compare"]["eager:half_topk"]["passes"]
+    assert rc == 1 and not report["heads"]["16"]["verdicts"][f"eager:half_topk vs {be.SAME_INPUTS}"]["passes"]
 
 
 def test_timing_rows_carry_the_issues_fields(tmp_path, monkeypatch):
