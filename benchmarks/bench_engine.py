@@ -383,6 +383,7 @@ def time_point(engines: dict[str, EngineProcess], heads: int, requests: int, mix
             "attention_floor_fraction": None if not floor else round(floor / gpu["attention_us"], 3),
             "pure_decode": all(w["pure_decode"] for w in [*windows[n], profiled[n]]),
             "scheduled_steps": [w["scheduled_steps"] for w in [*windows[n], profiled[n]]],
+            "impure_steps": [s for w in [*windows[n], profiled[n]] for s in w.get("impure_steps", [])][:6],
             "prompt_tokens": sum(lengths), "prefill_s": round(prefill[n]["prefill_s"], 3),
             "top_kernels": gpu["top_kernels"],
         })
