@@ -142,6 +142,16 @@ def test_req_id_per_token_dtype(setup):
     _rejects(TypeError, "req_id_per_token", _run(core, step, metadata=meta), b)
 
 
+@pytest.mark.parametrize("field", ["req_id_per_token", "block_table", "block_size", "cp_kv_cache_interleave_size"])
+def test_metadata_without_a_field_of_vllms_sparse_metadata(setup, field):
+    """Every field of vLLM's SparseMLACommonMetadata the core converts with is read without a default: a metadata
+    object lacking one (a vLLM that renamed it) is refused, naming it, before anything is written. A DCP interleave
+    taken as 1 would keep another rank's tokens."""
+    core, b, step = setup
+    meta = SimpleNamespace(**{k: v for k, v in vars(step.metadata).items() if k != field})
+    _rejects(TypeError, f"metadata.{field} is missing", _run(core, step, metadata=meta), b)
+
+
 def test_slots_width_never_planned(setup):
     core, b, step = setup
     slots = torch.full((ROWS, 256), -1, dtype=torch.int32, device=DEVICE)

@@ -170,6 +170,21 @@ def test_bad_configurations_are_refused_at_selection(tmp_path, capability, confi
         vh.select_backend(config, kv_cache_dtype)
 
 
+def test_hisparse_is_read_off_vllms_attention_config_with_no_default():
+    """Selection refuses HiSparse by vLLM's attention_config.hisparse_config, read directly: after a rename a default
+    of None would let selection accept a HiSparse model the core does not serve."""
+    from types import SimpleNamespace
+
+    from vllm.config import AttentionConfig
+
+    from vllm_kimi_dsa import vllm_backend
+
+    assert vllm_backend._uses_hisparse(SimpleNamespace(attention_config=AttentionConfig())) is False
+    assert vllm_backend._uses_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=object())))
+    with pytest.raises(AttributeError, match="hisparse_config"):
+        vllm_backend._uses_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_cfg=object())))
+
+
 def test_blackwell_keeps_vllms_bf16_path(tmp_path):
     """On SM100 what the core does not read (a BF16 cache) still selects, and the impl runs vLLM's own code."""
     config = _config(tmp_path, kv_cache_dtype="auto")
