@@ -287,3 +287,51 @@ def test_the_flashmla_wrappers_the_bench_peers_call():
     assert peer.MIN_HEADS_FOR_BF16_PREFILL == flashmla_sparse.MIN_HEADS_FOR_BF16_PREFILL
     assert "self.prefill_padding = 64" in inspect.getsource(flashmla_sparse.FlashMLASparseImpl.__init__)
     assert prefill_peer.HEAD_PAD == 64
+
+
+def test_vllms_hopper_sparse_backends_the_readme_compares():
+    """README, "vLLM's sparse MLA backends on Hopper": vLLM 0.33's SM90 order (FLASHINFER_MLA_SPARSE_SM90 first only at
+    head size 512), what each backend takes (FLASH_ATTN_MLA_SPARSE: BF16 / FP16 caches, no DCP; FLASHINFER_MLA_SPARSE_SM90:
+    FP8 or BF16 rows, a BF16 query, FlashInfer's fa3 wrapper, no DCP; FLASHMLA_SPARSE: DCP), that vLLM's own
+    FLASHINFER_MLA_SPARSE refuses SM90, and the routing note on PCP + DCP (no dense MHA prefill; refused at selection,
+    by vLLM's check this backend keeps)."""
+    import importlib.util
+    from pathlib import Path
+
+    vh.cuda_platform_class()  # vllm.platforms.cuda importable on a CPU
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadataBuilder
+    from vllm.platforms.cuda import _get_backend_priorities
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla import flashinfer_mla_sparse as fms
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
+
+    from vllm_kimi_dsa.vllm_backend import KimiDSAFlashInferMLASparseBackend as Ours
+
+    sm90 = DeviceCapability(9, 0)
+    sparse = [Backend.FLASH_ATTN_MLA_SPARSE, Backend.FLASHMLA_SPARSE, Backend.FLASHINFER_MLA_SPARSE_SM90]
+    assert _get_backend_priorities(True, sm90, kv_cache_dtype="fp8", head_size=576)[-3:] == sparse
+    assert _get_backend_priorities(True, sm90, kv_cache_dtype="fp8", head_size=512)[-3:] == [sparse[2], *sparse[:2]]
+    flashinfer_sm90 = Backend.FLASHINFER_MLA_SPARSE_SM90.get_class()
+    assert {"fp8", "fp8_e4m3", "bfloat16"} <= set(flashinfer_sm90.supported_kv_cache_dtypes)
+    assert flashinfer_sm90.supports_compute_capability(sm90) and not flashinfer_sm90.get_impl_cls().supports_dcp
+    sm90_source = inspect.getsource(importlib.import_module(flashinfer_sm90.__module__))
+    assert 'backend="fa3"' in sm90_source and "self.supports_quant_query_input = False" in sm90_source
+    flashmla = Backend.FLASHMLA_SPARSE.get_class()
+    assert flashmla.supports_compute_capability(sm90) and flashmla.get_impl_cls().supports_dcp
+    # FLASH_ATTN_MLA_SPARSE imports FlashAttention's compiled library at its top: read as source
+    module, _ = Backend.FLASH_ATTN_MLA_SPARSE.get_path().rsplit(".", 1)
+    fa_source = Path(importlib.util.find_spec(module).origin).read_text()
+    assert 'supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [\n        "auto",\n        "float16",\n        ' \
+           '"bfloat16",\n    ]' in fa_source
+    assert "does not support DCP" in fa_source and "block_table=topk_indices" in fa_source and "fa_version=3" in fa_source
+    assert not fms.FlashInferMLASparseTRTLLMBackend.supports_compute_capability(sm90)
+    build = inspect.getsource(SparseMLACommonMetadataBuilder.build)
+    assert "and not (self.use_pcp and self.dcp_world_size > 1)" in build  # use_dense_mha off under PCP + DCP
+    assert "treat_short_extends_as_decodes=not self.use_pcp" in build
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                                                       prefill_context_parallel_size=2),
+                        device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        why = Ours.supports_combination(576, torch.bfloat16, "fp8", 64, True, False, True, False, sm90)
+    assert why is not None and "PCP+DCP" in why
