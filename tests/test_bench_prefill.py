@@ -178,7 +178,8 @@ def test_section_end_to_end_in_the_interpreter() -> None:
     assert peer["kernel_plus_gather_floor_us"] == pytest.approx(kernel_plus_floor, abs=1e-3)
     assert section["ratios"] == [{"case": "2x5", "heads": 16, "peer": "fake/bf16",
                                   "ours_over_peer": pytest.approx(ours["us"] / peer["us"], abs=1e-3),
-                                  "ours_over_peer_with_gather": pytest.approx(ours["us"] / kernel_plus_floor, rel=2e-3, abs=1e-3),
+                                  "ours_over_peer_with_gather": pytest.approx(ours["us"] / kernel_plus_floor,
+                                                                              rel=2e-3, abs=1e-3),
                                   "vllm_runs_it": False}]
     assert peer["kernel_us"] > 0 and peer["gather_us"] > 0  # timed with the gather (us) and without (kernel_us)
     table = bp.prefill_table(section)

@@ -212,7 +212,8 @@ def test_the_block_size_rule_and_the_cache_dtypes_the_backend_keeps(tmp_path):
 
 def test_the_reorder_thresholds_the_readme_quotes():
     """README ("Which batches reach the backend"): extends up to the builder's reorder threshold count as decodes,
-    128 query tokens a request at 8-32 heads a TP rank, 256 at 64, 1024 at 128 and other counts; speculative rows too."""
+    128 query tokens a request at 8-32 heads a TP rank, 256 at 64, 1024 at 128 and other counts; speculative rows
+    too."""
     import ast
     import re
     from pathlib import Path
@@ -291,10 +292,10 @@ def test_the_flashmla_wrappers_the_bench_peers_call():
 
 def test_vllms_hopper_sparse_backends_the_readme_compares():
     """README, "vLLM's sparse MLA backends on Hopper": vLLM 0.33's SM90 order (FLASHINFER_MLA_SPARSE_SM90 first only at
-    head size 512), what each backend takes (FLASH_ATTN_MLA_SPARSE: BF16 / FP16 caches, no DCP; FLASHINFER_MLA_SPARSE_SM90:
-    FP8 or BF16 rows, a BF16 query, FlashInfer's fa3 wrapper, no DCP; FLASHMLA_SPARSE: DCP), that vLLM's own
-    FLASHINFER_MLA_SPARSE refuses SM90, and the routing note on PCP + DCP (no dense MHA prefill; refused at selection,
-    by vLLM's check this backend keeps)."""
+    head size 512), what each backend takes (FLASH_ATTN_MLA_SPARSE: BF16 / FP16 caches, no DCP;
+    FLASHINFER_MLA_SPARSE_SM90: FP8 or BF16 rows, a BF16 query, FlashInfer's fa3 wrapper, no DCP; FLASHMLA_SPARSE:
+    DCP), that vLLM's own FLASHINFER_MLA_SPARSE refuses SM90, and the routing note on PCP + DCP (no dense MHA prefill;
+    refused at selection, by vLLM's check this backend keeps)."""
     import importlib.util
     from pathlib import Path
 
@@ -324,7 +325,8 @@ def test_vllms_hopper_sparse_backends_the_readme_compares():
     fa_source = Path(importlib.util.find_spec(module).origin).read_text()
     assert 'supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [\n        "auto",\n        "float16",\n        ' \
            '"bfloat16",\n    ]' in fa_source
-    assert "does not support DCP" in fa_source and "block_table=topk_indices" in fa_source and "fa_version=3" in fa_source
+    for piece in ("does not support DCP", "block_table=topk_indices", "fa_version=3"):
+        assert piece in fa_source, piece
     assert not fms.FlashInferMLASparseTRTLLMBackend.supports_compute_capability(sm90)
     build = inspect.getsource(SparseMLACommonMetadataBuilder.build)
     assert "and not (self.use_pcp and self.dcp_world_size > 1)" in build  # use_dense_mha off under PCP + DCP
