@@ -111,6 +111,51 @@ def test_query_on_another_device(setup):
     _rejects(ValueError, "query is on meta", _run(core, step, query=q), b)
 
 
+class _RecordingKernel:
+    """A stand-in DecodeKernel for any kernel name: records its calls and checks nothing (the FlashInfer kernels trust
+    the core's query check too), so only the core's own check stands between a bad query and a kernel."""
+
+    def __init__(self, name, setup):
+        self.name, self.setup, self.calls = name, setup, []
+
+    def __call__(self, query, *args, **kwargs):
+        self.calls.append(tuple(query.shape))
+
+
+@pytest.mark.parametrize("kernel", ["triton", "prims_ts", "trtllm"])
+@pytest.mark.parametrize("path", ["decode", "run"])
+def test_every_path_checks_the_query_before_its_kernel(monkeypatch, kernel, path):
+    """core.decode (LayerStep's, vLLM's backend's path) and core.run check the query's heads, device and dtype with
+    a clear error before any kernel runs, on every kernel of the table (FlashInfer's prims_ts and trtllm-gen too,
+    here stand-ins that check nothing); a good query reaches the kernel (the check is what stops the bad ones)."""
+    import vllm_kimi_dsa.core as core_module
+
+    built: list[_RecordingKernel] = []
+
+    def build_kernel(name, setup):
+        built.append(_RecordingKernel(name, setup))
+        return built[-1]
+
+    monkeypatch.setattr(core_module, "build_kernel", build_kernel)
+    buffers = make_buffers(R, HEADS, WIDTH, DEVICE)
+    core = FlashInferCore(StandInImpl(kv_cache_dtype="fp8"), StandInLayer(), HEADS, buffers, {ROWS: kernel})
+    (stand_in,) = built
+    assert stand_in.name == kernel
+    step = make_step(ROWS, HEADS, WIDTH, "fp8", device=DEVICE, seed=5)
+    call = (lambda q: _decode(core, step, buffers, query=q)) if path == "decode" else \
+        (lambda q: _run(core, step, query=q))
+    bad = {
+        "query must be \\(rows, 16, 576\\)": torch.zeros(ROWS, 2 * HEADS, 576, device=DEVICE).to(torch.float8_e4m3fn),
+        "query is on meta": torch.empty(ROWS, HEADS, 576, dtype=torch.float8_e4m3fn, device="meta"),
+        "query must be torch.float8_e4m3fn": step.query.to(torch.bfloat16),
+    }
+    for match, query in bad.items():
+        _rejects((ValueError, TypeError), match, call(query), buffers)
+    assert stand_in.calls == []
+    call(step.query)()
+    assert stand_in.calls == [(ROWS, HEADS, 576)]
+
+
 def test_batch_size_missing_from_kernel_table(setup):
     core, b, step = setup
     q = step.query[:2].contiguous()
@@ -140,6 +185,16 @@ def test_req_id_per_token_dtype(setup):
     core, b, step = setup
     meta = SimpleNamespace(**{**vars(step.metadata), "req_id_per_token": step.metadata.req_id_per_token.long()})
     _rejects(TypeError, "req_id_per_token", _run(core, step, metadata=meta), b)
+
+
+@pytest.mark.parametrize("field", ["req_id_per_token", "block_table", "block_size", "cp_kv_cache_interleave_size"])
+def test_metadata_without_a_field_of_vllms_sparse_metadata(setup, field):
+    """Every field of vLLM's SparseMLACommonMetadata the core converts with is read without a default: a metadata
+    object lacking one (a vLLM that renamed it) is refused, naming it, before anything is written. A DCP interleave
+    taken as 1 would keep another rank's tokens."""
+    core, b, step = setup
+    meta = SimpleNamespace(**{k: v for k, v in vars(step.metadata).items() if k != field})
+    _rejects(TypeError, f"metadata.{field} is missing", _run(core, step, metadata=meta), b)
 
 
 def test_slots_width_never_planned(setup):

@@ -173,9 +173,13 @@ def test_section_end_to_end_in_the_interpreter() -> None:
     # the peer's gather floor: each of the 2 x 105 context rows read as a 656 B fp8_ds_mla row and written as a BF16
     # one (576 x 2 B), at the copy rate
     assert peer["gather_floor_us"] == pytest.approx(2 * 105 * (656 + 2 * HEAD_DIM) / 3000e9 * 1e6, abs=1e-3)
+    # over the peer's kernel plus the gather's floor: the gather counted once (its floor), not its time and its floor
+    kernel_plus_floor = peer["kernel_us"] + peer["gather_floor_us"]
+    assert peer["kernel_plus_gather_floor_us"] == pytest.approx(kernel_plus_floor, abs=1e-3)
     assert section["ratios"] == [{"case": "2x5", "heads": 16, "peer": "fake/bf16",
                                   "ours_over_peer": pytest.approx(ours["us"] / peer["us"], abs=1e-3),
-                                  "ours_over_peer_with_gather": section["ratios"][0]["ours_over_peer_with_gather"],
+                                  "ours_over_peer_with_gather": pytest.approx(ours["us"] / kernel_plus_floor,
+                                                                              rel=2e-3, abs=1e-3),
                                   "vllm_runs_it": False}]
     assert peer["kernel_us"] > 0 and peer["gather_us"] > 0  # timed with the gather (us) and without (kernel_us)
     table = bp.prefill_table(section)
@@ -244,16 +248,22 @@ def test_harness_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     os.unlink(build.log.name)
 
 
-def test_plot_renders_the_prefill_section() -> None:
-    """bench.plot's README table carries the prefill table when the JSON has the section."""
-    res = [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "us": 4000.0, "tflops": 585.0, "of_floor": 0.6},
-           {"kernel": "flashmla/bf16", "case": "1x4096", "heads": 128, "us": 3500.0, "tflops": 669.0,
-            "of_floor": 0.87, "gather_us": 12.0, "gather_floor_us": 3.6}]
+@pytest.mark.parametrize("kernel_us", [3200.0, None], ids=["timed", "older-record"])
+def test_plot_renders_the_prefill_section(kernel_us) -> None:
+    """bench.plot's README table carries the prefill table when the JSON has the section. The peer's call (3500 µs)
+    includes its gather (300 µs); over its kernel plus the gather's floor (3200 + 3.6 µs) ours is 1.25, where the
+    gather counted twice (3500 + 3.6) would give 1.14. A record without kernel_us (before it was timed apart) gives
+    the same: its call less its gather."""
+    peer = {"kernel": "flashmla/bf16", "case": "1x4096", "heads": 128, "us": 3500.0, "tflops": 669.0,
+            "of_floor": 0.87, "gather_us": 300.0, "gather_floor_us": 3.6}
+    if kernel_us is not None:
+        peer.update(kernel_us=kernel_us, kernel_plus_gather_floor_us=kernel_us + 3.6)
+    res = [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "us": 4000.0, "tflops": 585.0, "of_floor": 0.6}, peer]
     section = {"results": res, "ratios": bp.ratios(res),
                "accuracy": [{"kernel": bp.OURS, "case": "1x4096", "heads": 128, "rel_l2": 2e-3, "nonfinite": 0}]}
     md = plot.markdown({"info": {}, "results": [], "prefill": section})
     assert "**Prefill**" in md and "| layerstep/fp8 | 4000.0 (585; 0.60) |" in md
-    assert "| ours / flashmla/bf16 (time, its gather included; over its kernel + the gather's floor) | 1.14 (1.14) |" \
+    assert "| ours / flashmla/bf16 (time, its gather included; over its kernel + the gather's floor) | 1.14 (1.25) |" \
         in md
 
 

@@ -69,6 +69,30 @@ def test_gluon_never_on_cpu() -> None:
     assert not gluon_available("cpu")
 
 
+# The plain kernel's tile configs, written out (test_kernel_choice compares with default_config itself): 64-head tiles
+# above heads.FEW_HEADS_MAX (32); at most 32, fp8 on the transposed kernel (32-head tiles above 16 heads) and nvfp4 in
+# 16-head blocks of 32-token tiles.
+PLAIN_64 = planning.Config(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
+PLAIN_FP8_32 = planning.Config(block_h=32, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, swap=True)
+PLAIN_FP8_16 = planning.Config(block_h=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, swap=True)
+PLAIN_NVFP4_16 = planning.Config(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, prefetch=True,
+                                 lazy=True)
+
+
+@pytest.mark.parametrize("fmt,heads,want", [
+    ("fp8", 32, PLAIN_FP8_32),  # DeepSeek-V3.2 (128 heads) at TP 4, GLM-5 at TP 2
+    ("fp8", 17, PLAIN_FP8_32), ("fp8", 33, PLAIN_64), ("fp8", 16, PLAIN_FP8_16), ("fp8", 128, PLAIN_64),
+    ("nvfp4_ds_mla", 32, PLAIN_NVFP4_16), ("nvfp4_ds_mla", 33, PLAIN_64),
+])
+def test_the_plain_kernels_tile_config_at_the_head_split(fmt: str, heads: int, want, monkeypatch) -> None:
+    """VLLM_KIMI_DSA_GLUON=0 (and every GPU without Gluon): TritonDecode binds the plain kernel's config for the
+    heads of a rank; 32 heads a rank take the 32-head config, not the 64-head tiles of 33 and more."""
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
+    k = TritonDecode(_setup(fmt, heads))
+    assert k.gluon is None and k.config == want
+    assert all(pair == (None, None) for pair in k.plan_params.values())  # every launch on the plain kernel
+
+
 @pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 64), ("fp8", 32), ("fp8", 16), ("fp8", 12),
                                        ("nvfp4_ds_mla", 128), ("nvfp4_ds_mla", 32), ("nvfp4_ds_mla", 12)])
 def test_kernel_choice(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) -> None:

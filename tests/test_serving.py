@@ -144,6 +144,21 @@ def test_planned_rows_take_speculative_tokens_and_every_capture_size(config, wan
     assert serving.planned_rows(config) == want
 
 
+@pytest.mark.parametrize("section, renamed", [
+    ("speculative_config", "num_speculative_tokens"),
+    ("scheduler_config", "max_num_batched_tokens"),
+    ("compilation_config", "cudagraph_capture_sizes"),
+])
+def test_planned_rows_refuse_a_config_without_a_field_they_read(section, renamed) -> None:
+    """A field vLLM renamed is an error naming it, not a default: without num_speculative_tokens the MTP rows of a
+    step (max_num_seqs x (1 + drafts)) would be planned as max_num_seqs and every verification batch split."""
+    config = _vllm_config(4, speculative=2)
+    fields = vars(getattr(config, section))
+    fields[f"{renamed}_v2"] = fields.pop(renamed)  # the field under another name, as a new vLLM might call it
+    with pytest.raises(TypeError, match=f"vllm_config.{section}.{renamed} is missing"):
+        serving.planned_rows(config)
+
+
 def test_without_dcp_no_lse_and_the_same_latent() -> None:
     heads, rows = HEADS[-1], 3
     inputs = _vllm_inputs(rows, heads, "fp8", seed=5)

@@ -170,6 +170,21 @@ def test_bad_configurations_are_refused_at_selection(tmp_path, capability, confi
         vh.select_backend(config, kv_cache_dtype)
 
 
+def test_hisparse_is_read_off_vllms_attention_config_with_no_default():
+    """Selection refuses HiSparse by vLLM's attention_config.hisparse_config, read directly: after a rename a default
+    of None would let selection accept a HiSparse model the core does not serve."""
+    from types import SimpleNamespace
+
+    from vllm.config import AttentionConfig
+
+    from vllm_kimi_dsa import vllm_backend
+
+    assert vllm_backend._uses_hisparse(SimpleNamespace(attention_config=AttentionConfig())) is False
+    assert vllm_backend._uses_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=object())))
+    with pytest.raises(AttributeError, match="hisparse_config"):
+        vllm_backend._uses_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_cfg=object())))
+
+
 def test_blackwell_keeps_vllms_bf16_path(tmp_path):
     """On SM100 what the core does not read (a BF16 cache) still selects, and the impl runs vLLM's own code."""
     config = _config(tmp_path, kv_cache_dtype="auto")
@@ -235,10 +250,17 @@ def test_serving_a_layer_logs_one_info_line_through_vllms_logger(tmp_path, monke
     assert f"{vllm_backend.STARTUP_PREFIX} <version> serves FLASHINFER_MLA_SPARSE on" in readme
 
 
-def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeypatch):
-    """Two workers of one node (TP 2 x DCP 2: TP rank 0 / DCP rank 0 is local rank 0, TP rank 1 / DCP rank 1 is not),
-    captured through vLLM's logger itself (its info_once and scope check, a handler on the logger): each logs its
-    own line, naming its ranks. vLLM's default scope ("local") keeps only local rank 0's line."""
+# (TP, DCP, the model's heads, heads a TP rank, the workers as (global rank, TP rank, DCP rank)): TP = DCP, and TP 4 /
+# DCP 2 (the TP size the line names is not the DCP size). Rank 0 is the node's and the world's first; the other not.
+WORKER_LAYOUTS = {"tp2-dcp2": (2, 2, 16, 8, ((0, 0, 0), (1, 1, 1))),
+                  "tp4-dcp2": (4, 2, 16, 4, ((0, 0, 0), (3, 3, 1)))}
+
+
+@pytest.mark.parametrize("layout", sorted(WORKER_LAYOUTS))
+def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeypatch, layout):
+    """Two workers (global ranks 0 and another), captured through vLLM's logger itself (its info_once and scope
+    check, a handler on the logger): each logs its own line, naming its TP rank of the real TP size and its DCP
+    rank. vLLM's default scope ("local") keeps only the node's first rank's line, "global" only the world's first."""
     import logging
 
     import vllm.distributed.parallel_state as parallel_state
@@ -246,6 +268,7 @@ def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeyp
 
     from vllm_kimi_dsa import vllm_backend
 
+    tp, dcp, model_heads, rank_heads, workers = WORKER_LAYOUTS[layout]
     lines: list[str] = []
 
     class Capture(logging.Handler):
@@ -263,21 +286,23 @@ def test_every_worker_logs_its_own_startup_line_with_its_ranks(tmp_path, monkeyp
     log.addHandler(handler)
     vllm_logger._print_info_once.cache_clear()  # lines other tests logged in this process
     try:
-        config = _config(tmp_path, dcp=2, tp=2, heads=16)
-        for rank in (0, 1):
-            monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True, r=rank: (2, r))
-            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
-            monkeypatch.setattr(parallel_state, "is_local_first_rank", lambda r=rank: r == 0)
-            layer, _ = _layer(config, heads=8, rows=4, prefix=f"model.layers.{rank}.self_attn.mla_attn")
+        config = _config(tmp_path, dcp=dcp, tp=tp, heads=model_heads)
+        for global_rank, tp_rank, dcp_rank in workers:
+            monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank",
+                                lambda enabled=True, d=dcp_rank: (dcp, d))
+            monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda t=tp_rank: t)
+            monkeypatch.setattr(parallel_state, "is_local_first_rank", lambda g=global_rank: g == 0)
+            monkeypatch.setattr(parallel_state, "is_global_first_rank", lambda g=global_rank: g == 0)
+            layer, _ = _layer(config, heads=rank_heads, rows=4, prefix=f"model.layers.{global_rank}.self_attn.mla_attn")
             layer.impl.process_weights_after_loading(torch.bfloat16)
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
     ours = [line for line in lines if line.startswith(vllm_backend.STARTUP_PREFIX)]
-    assert len(ours) == 2, lines
-    assert "on cpu, TP rank 0 of 2, DCP rank 0 of 2: " in ours[0], ours[0]
-    assert "on cpu, TP rank 1 of 2, DCP rank 1 of 2: " in ours[1], ours[1]
-    assert all("16 query heads (8 a rank x DCP 2)" in line for line in ours), ours
+    assert len(ours) == len(workers), lines
+    for line, (_, tp_rank, dcp_rank) in zip(ours, workers):
+        assert f"on cpu, TP rank {tp_rank} of {tp}, DCP rank {dcp_rank} of {dcp}: " in line, line
+        assert f"{rank_heads * dcp} query heads ({rank_heads} a rank x DCP {dcp})" in line, line
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "every worker logs its own line" in readme
 
@@ -530,10 +555,13 @@ class _DcpGroup:
 
 
 def _builder_workspace_requests(monkeypatch, tmp_path, *, capability: int, kv_cache_dtype: str = "fp8",
-                                table: dict | None = None, heads: int = 16, batched: int = 64) -> list[int]:
+                                table: dict | None = None, heads: int = 16, batched: int = 64,
+                                others: dict | None = None) -> tuple[list[int], object]:
     """The bytes vLLM's workspace allocator is asked for while this backend's metadata builder is made under DCP 2
     (one layer of `heads` heads a TP rank; `table`: a kernel-table file's contents; a Blackwell with prims_ts and
-    trtllm-gen is mocked at capability 10). vLLM's allocator is spied on: its calls are the memory taken."""
+    trtllm-gen is mocked at capability 10), and the builder. vLLM's allocator is spied on: its calls are the memory
+    taken. others: more layer names the builder is given, each with what the config's forward context holds under
+    it (None: nothing, a name the config never registered)."""
     import vllm.distributed.parallel_state as parallel_state
     import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla
     import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
@@ -563,11 +591,16 @@ def _builder_workspace_requests(monkeypatch, tmp_path, *, capability: int, kv_ca
     layer, _ = _layer(config, heads=heads, rows=4, capability=capability)
     assert layer.impl.dcp_world_size == 2
     spec = layer.get_kv_cache_spec(config)
+    context = config.compilation_config.static_forward_context
+    for name, module in (others or {}).items():
+        if module is not None:
+            monkeypatch.setitem(context, name, module)
+    names = [layer.layer_name, *(others or {})]
     with vh.gpu_capability(capability), set_current_vllm_config(config):
-        builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+        builder = layer.attn_backend.get_builder_cls()(spec, names, config, torch.device("cpu"))
     assert builder.dcp_world_size == 2 and builder.supports_draft_decode_metadata_update is False
     reset_kernel_table_cache()
-    return requests
+    return requests, builder
 
 
 ALL_PRIMS_TS = {"tp": "1-4096:prims_ts", "dcp": "1-4096:prims_ts"}
@@ -581,7 +614,8 @@ def test_dcp_builder_takes_no_vllm_workspace_for_layers_the_core_serves(monkeypa
     max_num_batched_tokens bytes) before the first forward. On Hopper no trtllm-gen kernel runs; on Blackwell with a
     table of prims_ts only neither; where the core's table names trtllm-gen, the core's kernel sizes its own workspace
     for its launch rows (test_flashinfer_conformance holds that): zero bytes of vLLM's."""
-    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, table=table) == []
+    requests, builder = _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, table=table)
+    assert requests == [] and builder.vllm_trtllm_layers == []
     if table is SOME_TRTLLM:  # the case is what it says: the core's table runs trtllm-gen at 1 and 2 rows
         from vllm_kimi_dsa.serving import kernel_table
 
@@ -596,4 +630,20 @@ def test_dcp_builder_takes_vllms_workspace_where_vllms_code_runs(monkeypatch, tm
 
     want = fms._required_workspace_bytes(2, 16, 64)
     assert want == 394 * 2**20 + 8 * 32 * 64 * 256 + 2**20
-    assert _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype="auto") == [want]
+    requests, _ = _builder_workspace_requests(monkeypatch, tmp_path, capability=10, kv_cache_dtype="auto")
+    assert requests == [want]
+
+
+@pytest.mark.parametrize("capability", [9, 10], ids=["sm90", "sm100"])
+def test_dcp_builder_gives_vllms_workspace_to_a_layer_it_did_not_build(monkeypatch, tmp_path, capability):
+    """A layer the builder is handed but did not build (another backend's impl in the forward context, or a name the
+    config never registered) is not the core's: vLLM's own code may run it (trtllm-gen reads vLLM's workspace), so
+    the builder takes vLLM's workspace for it, its computed size, beside a layer the core serves."""
+    import vllm.v1.attention.backends.mla.flashinfer_mla_sparse as fms
+    from types import SimpleNamespace
+
+    other_impl = SimpleNamespace(impl=object.__new__(fms.FlashInferMLASparseImpl))  # vLLM's own impl, not ours
+    for others in ({"model.layers.7.self_attn.mla_attn": other_impl}, {"model.layers.8.self_attn.mla_attn": None}):
+        requests, builder = _builder_workspace_requests(monkeypatch, tmp_path, capability=capability, others=others)
+        assert builder.vllm_trtllm_layers == list(others)
+        assert requests == [fms._required_workspace_bytes(2, 16, 64)]

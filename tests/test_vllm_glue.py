@@ -419,6 +419,29 @@ def test_from_vllm_reads_capture_sizes_max_num_seqs_and_index_topk(models, refer
         assert core.softmax_scale == pytest.approx(mla.impl.scale * mla._q_scale_float * mla._k_scale_float)
 
 
+def test_from_vllm_reads_the_padded_heads_and_top_k_off_vllms_objects(models, reference_kernels, monkeypatch):
+    """The heads of the decode query are the MLAAttention's q_pad_num_heads (vLLM 0.33 copies it from the impl; None
+    for FlashInfer's sparse impl, which pads nothing: heads x DCP then), and the top-k width is the model's
+    index_topk: both read off vLLM's objects directly, a missing one refused naming it (no default width or heads)."""
+    from vllm_kimi_dsa import selection
+
+    monkeypatch.setattr(selection, "fi_kernels", lambda fmt, device=None: ("triton",))
+    config = models.config(capture_sizes=(1, 2), max_num_seqs=2, topk=200)
+    attention = models.attention(config)
+    mla = attention.mla_attn.mla_attn
+    assert mla.q_pad_num_heads is None and not hasattr(mla.impl, "q_pad_num_heads")
+    assert KimiDSACores.from_vllm([attention], config, device=DEVICE).heads == 16
+    monkeypatch.setattr(mla, "q_pad_num_heads", 32, raising=False)  # an impl that pads the query to 32 heads
+    assert KimiDSACores.from_vllm([attention], config, device=DEVICE).heads == 32
+    monkeypatch.delattr(mla, "q_pad_num_heads")
+    with pytest.raises(TypeError, match="MLAAttention.q_pad_num_heads is missing"):
+        KimiDSACores.from_vllm([attention], config, device=DEVICE)
+    monkeypatch.setattr(mla, "q_pad_num_heads", None, raising=False)
+    monkeypatch.delattr(config.model_config.hf_text_config, "index_topk")
+    with pytest.raises(TypeError, match="hf_text_config.index_topk is missing"):
+        KimiDSACores.from_vllm([attention], config, device=DEVICE)
+
+
 def test_forward_rejects_a_layer_index_out_of_range(models, reference_kernels):
     cores = KimiDSACores(_layers(models, 2), heads=16, batch_sizes=[2], width=128, kernels={2: "triton"},
                          device=DEVICE)

@@ -1,4 +1,4 @@
-"""Checks of public functions' integer arguments, with errors that name the argument.
+"""Checks of public functions' integer arguments and of the fields read off vLLM's objects, with errors that name them.
 
 The lowest layer of the package (imports nothing of it): selection, the FlashInfer plans and the core share it.
 """
@@ -38,4 +38,15 @@ def dcp_flag(value: Any, name: str = "dcp") -> bool:
     return size > 1
 
 
-__all__ = ["dcp_flag", "positive_int"]
+def required_field(obj: Any, name: str, what: str) -> Any:
+    """`obj.name`, read directly: a field a vLLM object carries in the pinned release (README: "Why vLLM is pinned").
+    TypeError naming `what.name` where it is missing, instead of a default that would silently do the wrong thing
+    after a rename (tests/test_vllm_pin.py names every such field)."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise TypeError(f"{what}.{name} is missing ({type(obj).__name__} has no {name!r}); vLLM 0.33's object "
+                        f"carries it: a vLLM that renamed it is not the one this package is pinned to") from None
+
+
+__all__ = ["dcp_flag", "positive_int", "required_field"]

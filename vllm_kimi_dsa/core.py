@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from vllm_kimi_dsa.arguments import required_field
 from vllm_kimi_dsa.backends.registry import build_kernel
 from vllm_kimi_dsa.convert import convert_topk
 from vllm_kimi_dsa.formats import (
@@ -226,7 +227,8 @@ class FlashInferCore:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """topk (>= rows, K) int32 ids -> this rank's (slots (rows, K), counts (rows,)) in the model's buffers.
 
-        metadata: has req_id_per_token, block_table and block_size (vLLM's sparse metadata).
+        metadata: has req_id_per_token, block_table and block_size (vLLM's sparse metadata); a missing one raises
+            TypeError naming it.
         """
         if rows not in self.kernels:
             raise ValueError(f"rows={rows} has no kernel in this core's table {sorted(self.kernels)}")
@@ -234,9 +236,9 @@ class FlashInferCore:
             raise ValueError(f"topk width {topk.shape[1]} != the slots buffer's width {self.width}")
         return convert_topk(
             topk,
-            metadata.req_id_per_token,
-            metadata.block_table,
-            block_size=int(metadata.block_size),
+            required_field(metadata, "req_id_per_token", "metadata"),
+            required_field(metadata, "block_table", "metadata"),
+            block_size=int(required_field(metadata, "block_size", "metadata")),
             rows_per_block_stride=int(stride_rows),
             dcp_size=self.dcp,
             dcp_rank=self.rank,
@@ -293,12 +295,17 @@ class FlashInferCore:
     def run(
         self, query: torch.Tensor, cache: torch.Tensor, topk: torch.Tensor, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """convert then decode: topk (>= rows, K) ids -> latent (rows, H, 512), lse (rows, H)."""
+        """convert then decode: topk (>= rows, K) ids -> latent (rows, H, 512), lse (rows, H).
+
+        metadata: vLLM's SparseMLACommonMetadata or any object with its req_id_per_token, block_table, block_size and
+        cp_kv_cache_interleave_size (1 without DCP); a missing one raises TypeError naming it (no default: a DCP
+        interleave read as 1 would pick another rank's tokens).
+        """
         # Checked before convert writes the model's slots/counts: a rejected call leaves them as they were.
         rows = check_query(query, self.heads, self.device)
-        block_size = int(metadata.block_size)
+        block_size = int(required_field(metadata, "block_size", "metadata"))
         _, stride_rows = self.rows(cache, block_size)
-        interleave = int(getattr(metadata, "cp_kv_cache_interleave_size", 1) or 1)
+        interleave = int(required_field(metadata, "cp_kv_cache_interleave_size", "metadata"))
         slots, counts = self.convert(topk, metadata, rows, stride_rows, interleave)
         return self._decode(rows, query, cache, slots, counts, block_size)
 

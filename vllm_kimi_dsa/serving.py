@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from vllm_kimi_dsa.arguments import required_field
 from vllm_kimi_dsa.core import FlashInferCore
 from vllm_kimi_dsa.formats import LATENT_DIM, CacheFormat, normalize_format
 from vllm_kimi_dsa.widths import check_width, round_width
@@ -110,14 +111,19 @@ def planned_rows(vllm_config: Any) -> tuple[int, tuple[int, ...]]:
 
     max_rows: max(max_num_seqs * (1 + speculative tokens), the largest CUDA-graph capture size), at most
     max_num_batched_tokens; larger (prefill, mixed) batches run in pieces of it. capacities: the capture sizes up
-    to max_rows and max_rows itself (the prims_ts plans). Reads only attributes, so any config-shaped object works.
+    to max_rows and max_rows itself (the prims_ts plans). Reads only attributes, so any config-shaped object works;
+    each is read directly (a missing one raises, naming it: a default would under-plan MTP rows after a rename).
     """
-    scheduler = vllm_config.scheduler_config
-    capture = sorted(int(s) for s in (getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()))
-    speculative = getattr(vllm_config, "speculative_config", None)
-    per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0)
-    decode_rows = max([int(scheduler.max_num_seqs) * per_request, *capture])
-    limit = int(getattr(scheduler, "max_num_batched_tokens", decode_rows) or decode_rows)
+    scheduler = required_field(vllm_config, "scheduler_config", "vllm_config")
+    compilation = required_field(vllm_config, "compilation_config", "vllm_config")
+    capture = sorted(int(s) for s in (required_field(compilation, "cudagraph_capture_sizes",
+                                                     "vllm_config.compilation_config") or ()))
+    speculative = required_field(vllm_config, "speculative_config", "vllm_config")  # None: no speculative decoding
+    drafts = 0 if speculative is None else int(
+        required_field(speculative, "num_speculative_tokens", "vllm_config.speculative_config"))
+    max_num_seqs = required_field(scheduler, "max_num_seqs", "vllm_config.scheduler_config")
+    decode_rows = max([int(max_num_seqs) * (1 + drafts), *capture])
+    limit = int(required_field(scheduler, "max_num_batched_tokens", "vllm_config.scheduler_config"))
     max_rows = max(1, min(limit, decode_rows))
     return max_rows, tuple(sorted({c for c in capture if c <= max_rows} | {max_rows}))
 

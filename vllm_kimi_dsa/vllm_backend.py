@@ -107,8 +107,8 @@ def _parallel_sizes(vllm_config: Any) -> dict[str, int]:
 
 
 def _uses_hisparse(vllm_config: Any) -> bool:
-    attention_config = getattr(vllm_config, "attention_config", None)
-    return getattr(attention_config, "hisparse_config", None) is not None
+    # read directly (VllmConfig always has an attention_config): a default here would accept HiSparse after a rename
+    return vllm_config.attention_config.hisparse_config is not None
 
 
 STARTUP_PREFIX = "vllm_kimi_dsa"

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from vllm_kimi_dsa import envs
+from vllm_kimi_dsa.arguments import required_field
 from vllm_kimi_dsa.dcp import LOG2_E
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.logs import init_logger
@@ -175,6 +176,9 @@ class KimiDSACores:
         layers: the DSA attention modules (e.g. `dsa_layers(model)`); vllm_config: vLLM's VllmConfig.
         R = max(max_num_seqs * (1 + speculative tokens), largest capture size), at most max_num_batched_tokens;
         the capture sizes up to R, and R, become the prims_ts plan capacities.
+        heads: the MLAAttention's q_pad_num_heads (the heads vLLM pads the decode query to; vLLM 0.33 copies it from
+        the impl, None where the impl pads nothing), else impl.num_heads x impl.dcp_world_size. Each field is read
+        directly: a missing one raises TypeError naming it.
         overrides: any keyword of KimiDSACores (heads, width, kernels, table, ...).
         """
         if not layers:
@@ -182,13 +186,17 @@ class KimiDSACores:
         pair = layers[0] if isinstance(layers[0], tuple) else _impl_and_layer(layers[0])
         if pair is None:
             raise TypeError(f"layers[0] ({type(layers[0]).__name__}) has no .mla_attn.mla_attn.impl or .impl")
-        impl = pair[0]
-        dcp = int(getattr(impl, "dcp_world_size", 1) or 1)
-        heads = getattr(impl, "q_pad_num_heads", None) or int(impl.num_heads) * dcp
-        hf = getattr(vllm_config.model_config, "hf_text_config", None)
-        max_rows, capacities, width = planned_layout(vllm_config, int(getattr(hf, "index_topk", 2048) or 2048))
+        impl, layer = pair
+        padded = required_field(layer, "q_pad_num_heads", "layers[0]'s MLAAttention")
+        if padded is None:
+            padded = int(required_field(impl, "num_heads", "layers[0]'s impl")) * int(
+                required_field(impl, "dcp_world_size", "layers[0]'s impl"))
+        hf = required_field(required_field(vllm_config, "model_config", "vllm_config"), "hf_text_config",
+                            "vllm_config.model_config")
+        topk = required_field(hf, "index_topk", "vllm_config.model_config.hf_text_config")
+        max_rows, capacities, width = planned_layout(vllm_config, int(topk))
         kw: dict[str, Any] = dict(
-            heads=int(heads),
+            heads=int(padded),
             batch_sizes=range(1, max_rows + 1),
             width=width,
             kv_cache_dtype=vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else None,

@@ -544,14 +544,15 @@ def run_prefill_section(device: torch.device | str, ceil: dict[str, Any], *,
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Our time over each peer's per (case, H): over the peer's whole call as vLLM makes it (us: the gather stand-in
     included where vLLM gathers), and over its kernel plus the gather's floor (the least vLLM's one-kernel gather
-    could take); vllm_runs_it: whether vLLM runs that peer at this head count."""
+    could take): kernel_us (the call less its gather: us - gather_us in a record without it) + gather_floor_us, so
+    the gather is counted once, at its floor; vllm_runs_it: whether vLLM runs that peer at this head count."""
     out = []
     ours = {(r["case"], r["heads"]): r for r in results if r["kernel"] == OURS}
     for r in results:
         mine = ours.get((r["case"], r["heads"]))
         if r["kernel"] == OURS or mine is None:
             continue
-        low = r.get("kernel_plus_gather_floor_us", r["us"] + r.get("gather_floor_us", 0.0))
+        low = r.get("kernel_us", r["us"] - r.get("gather_us", 0.0)) + r.get("gather_floor_us", 0.0)
         out.append({"case": r["case"], "heads": r["heads"], "peer": r["kernel"],
                     "ours_over_peer": round(mine["us"] / r["us"], 3),
                     "ours_over_peer_with_gather": round(mine["us"] / low, 3),
