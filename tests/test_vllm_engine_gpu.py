@@ -89,7 +89,15 @@ def test_this_backend_agrees_with_flashmla_and_with_flashinfer_on_its_inputs(ver
         assert result["passes"], result
 
 
-@pytest.mark.parametrize("fault", sorted(ew.FAULTS))
+# The H100's run of 2026-12-07 (benchmarks/results/2026-12-07-h100-engine/h16): the 5% softmax-scale fault's steps
+# stay inside the spread of two correct kernels on identical inputs (four layers of FP8 caches re-round any difference
+# into e4m3-sized noise); the layer tests catch it. Strict: a run that catches it fails here, to be looked at.
+SCALE_NOT_RESOLVED = pytest.mark.xfail(strict=True, reason="inside the correct engines' spread at 4 layers (H100, "
+                                       "2026-12-07); caught by the layer tests")
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=SCALE_NOT_RESOLVED) if f == "softmax_scale" else f
+                                   for f in sorted(ew.FAULTS)])
 def test_every_planted_fault_fails_the_comparison(verdicts, fault):
     result = verdicts[f"eager:{fault} vs {be.SAME_INPUTS}"]
     assert result["passes"] and result["margin_median"] > 1.0, result
