@@ -99,13 +99,16 @@ def test_what_has_run_where_says_what_the_logs_show(readme):
     assert graphs and all(g["bit_equal"] and g["replay_allocations"] == 0 for g in graphs)
     card, torch_version = report["gpu"]["name"], report["gpu"]["torch"]
     assert card == "NVIDIA H100 80GB HBM3" and torch_version.startswith("2.11")
-    for line in (layer, engine):
+    by_hand = [line for line in section.splitlines() if "vLLM's engine (`LLM(...)`" in line][0]
+    assert "three hand fixes" in by_hand and "superseded" in by_hand
+    harness = [line for line in section.splitlines() if "vLLM's engine through the project's harness" in line][0]
+    assert "| 2026-12-07 | H100 80GB HBM3 | 2.11 / 3.6 |" in harness and "2026-12-07-h100-engine" in harness
+    assert "the 5% softmax scale not" in harness and "64 heads not run" in harness
+    for line in (layer, engine, by_hand):
         assert "| 2026-12-07 | H100 80GB HBM3 | 2.11 / 3.6 |" in line
     kernels = _summary((RUN / "head_count_tests.log").read_text())["passed"]
     combine = _summary((RUN / "combine_tests.log").read_text())["passed"]
     assert f"| {kernels} and {combine} passed |" in section
-    engine_run = [line for line in section.splitlines() if "vLLM's engine (`LLM(...)`" in line][0]
-    assert "three hand fixes" in engine_run and "the project's own harness run pending" in engine_run
     assert "torch 2.11 and Triton 3.6" in section and "torch 2.14 and Triton 3.8" in section
     not_run = " ".join(section[section.index("Not run anywhere yet"):].split())
     for missing in ("`vllm serve`", "anything on Blackwell", "DCP across GPUs"):
@@ -131,3 +134,40 @@ def test_the_device_doc_lists_what_the_engine_runs_with_there():
     assert acted == ["flash_attn", "fused_q_cutedsl"]
     for name in acted:
         assert f"| `{name}` |" in doc
+
+
+ENGINE = ROOT / "benchmarks" / "results" / "2026-12-07-h100-engine"
+
+
+def test_the_engine_tables_are_the_committed_run(readme):
+    """"vLLM's engine, decode step by step": each decode row's cells from the committed engine.json (GPU µs, attention
+    µs and floor fractions, the ratios), a row marked * exactly where a window was not pure decode; each comparison
+    row's median and largest step from the committed report."""
+    import gzip
+
+    section = _section(readme, "## vLLM's engine, decode step by step")
+    rows = {(r["heads"], r["requests"], r["context_mix"], r["backend"]): r
+            for h in ("h16", "h128") for r in json.loads((ENGINE / h / "engine.json").read_text())}
+    decode = [line for line in section.splitlines() if re.match(r"\| (16|128) \| \d+ \| (uniform|ragged)", line)]
+    assert len(decode) == 8
+    for line in decode:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        heads, requests = int(cells[0]), int(cells[1])
+        mix = "uniform-4096" if cells[2].startswith("uniform") else "ragged-100-8000"
+        a, b = rows[heads, requests, mix, "FLASHINFER_MLA_SPARSE"], rows[heads, requests, mix, "FLASHMLA_SPARSE"]
+        assert cells[2].endswith("*") == (not (a["pure_decode"] and b["pure_decode"])), line
+        assert cells[3] == f"{a['gpu_us']:,.0f} / {b['gpu_us']:,.0f}", line
+        frac = lambda r: "" if cells[2].endswith("*") else f" ({r['attention_floor_fraction']:.2f})"  # noqa: E731
+        assert cells[4] == f"{a['attention_us']:.0f}{frac(a)} / {b['attention_us']:.0f}{frac(b)}", line
+        assert cells[5] == f"{a['attention_us'] / b['attention_us']:.2f}x", line
+        assert cells[6] == f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x / {b['gpu_us'] / a['gpu_us']:.2f}x", line
+    report = json.loads(gzip.decompress((ENGINE / "h16" / "engine_report.json.gz").read_bytes()))["heads"]["16"]
+    said = {"FLASHINFER_MLA_SPARSE_SM90 (BF16 query": "FLASHINFER_MLA_SPARSE_SM90 vs FLASHMLA_SPARSE",
+            "this backend (CUDA graphs) vs FLASHMLA_SPARSE": "FLASHINFER_MLA_SPARSE vs FLASHMLA_SPARSE",
+            "this backend vs FLASHINFER_MLA_SPARSE_SM90 on": "FLASHINFER_MLA_SPARSE vs FLASHINFER_MLA_SPARSE_SM90+fp8q",
+            "this backend under CUDA graphs vs eager": "FLASHINFER_MLA_SPARSE vs eager:none",
+            "softmax scale +5% vs FlashInfer": "eager:softmax_scale vs FLASHINFER_MLA_SPARSE_SM90+fp8q"}
+    for start, key in said.items():
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {start}")]
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert cells[1:3] == [f"{report['compare'][key]['p50']:.2f}", f"{report['compare'][key]['max']:.2f}"], line
