@@ -94,9 +94,9 @@ def model_config(heads: int, layers: int = LAYERS) -> dict[str, Any]:
     )
 
 
-def write_model(directory: Path, heads: int) -> Path:
+def write_model(directory: Path, heads: int, layers: int = LAYERS) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model_config(heads), indent=1))
+    (directory / "config.json").write_text(json.dumps(model_config(heads, layers), indent=1))
     return directory
 
 
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "bounds": {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}, "bound_factor": BOUND_FACTOR, "most": MOST,
         "query_gain": ew.QUERY_GAIN, "faults": ew.FAULTS, "check_requests": args.check_requests,
-        "check_steps": args.check_steps, "check_context": list(CHECK_CONTEXT), "heads": {},
+        "check_steps": args.check_steps, "check_context": list(CHECK_CONTEXT), "layers": args.layers, "heads": {},
     }
     rows: list[dict] = []
     if args.shims:  # decided once here; the engines (and vLLM's own child processes) apply the same shims
@@ -497,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
             report["heads"][heads] = {"skipped": f"past the budget of {args.budget} s"}
             ok = False
             continue
-        model = write_model(out_dir / f"model_h{heads}", heads)
+        model = write_model(out_dir / f"model_h{heads}", heads, args.layers)
         summary: dict[str, Any] = report["heads"].setdefault(heads, {})
         logprobs: dict[str, Any] = {}
         engines = {name: EngineProcess(engine_spec(out_dir, f"h{heads}_{label}", model, name, heads, args))
@@ -618,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-requests", type=int, default=CHECK_REQUESTS)
     p.add_argument("--check-steps", type=int, default=CHECK_STEPS)
     p.add_argument("--capture-sizes", type=_ints, default=list(CAPTURE_SIZES))
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="DSA layers of the model (1: no layer re-rounds another's output into its FP8 cache)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget", type=float, default=math.inf, help="seconds: no new head count starts past it")
     p.add_argument("--shims", action="store_true", help="tools/vllm_device_shims.py first (the device)")

@@ -139,7 +139,9 @@ def test_context_mixes():
         be.context_lengths("lognormal", 8, seed=1)
 
 
-def test_model_is_deepseek_v32_attention_as_released():
+def test_model_is_deepseek_v32_attention_as_released(tmp_path):
+    written = json.loads((be.write_model(tmp_path, 16, layers=1) / "config.json").read_text())
+    assert written["num_hidden_layers"] == written["first_k_dense_replace"] == 1
     config = be.model_config(128)
     assert (config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]) == (1536, 512, 64)
     assert (config["index_topk"], config["index_n_heads"], config["index_head_dim"]) == (2048, 64, 128)
