@@ -121,6 +121,12 @@ def test_section_records_work_proportionality_and_ratios(small, tmp_path) -> Non
     png.unlink()
 
 
+def test_warm_compiles_ours_at_every_point(small) -> None:
+    suite, data, _, _ = small
+    sv.warm(suite, data, (2,), (8,))  # one eager call each (the interpreter): no failure recorded, nothing timed
+    assert not suite.failures and suite.serving is None
+
+
 def test_proportionality_summary_and_median() -> None:
     recs = [{"kernel": "a", "dist": d, "rows": rows, "heads": 16, "work": w, "us": 1.0, "proportionality": p}
             for d, rows, w, p in (("uniform", 32, 0.5, 1.2), ("serving", 128, 0.6, 1.4), ("skewed", 8, 0.1, 9.0),
@@ -134,16 +140,16 @@ def test_proportionality_summary_and_median() -> None:
 def test_points_and_the_cli_runs_the_section(monkeypatch) -> None:
     """The section's own points (the issue's), --rows / --heads override them; `bench` (quick too) hands the
     section to the suite, which runs it after the others."""
-    assert sv.points(False, None, None) == ((8, 32, 128, 320), (128, 64, 24, 16, 8, 4))
+    assert sv.points(False, None, None) == ((8, 32, 128, 320), (128, 16, 64, 24, 8, 4))
     assert sv.points(True, None, None) == (sv.QUICK_ROWS, sv.QUICK_HEADS)
-    assert sv.points(True, (5, 1), (12,)) == ((1, 5), (12,))
+    assert sv.points(True, (5, 1), (12, 64, 12)) == ((1, 5), (12, 64))
     assert "serving" in bs.SECTIONS
     import vllm_kimi_dsa.__main__ as cli
 
     seen = {}
     monkeypatch.setattr(bs, "run", lambda args, error, extra=None: seen.update(args=args, extra=extra) or 0)
     assert cli.main(["bench", "--out", "/nonexistent-never-written", "--quick"]) == 0
-    assert seen["extra"] == {"serving": (sv.points, sv.serving_section)} and seen["args"].quick
+    assert seen["extra"] == {"serving": (sv.points, sv.serving_section, sv.warm)} and seen["args"].quick
     assert "serving" in seen["args"].sections
 
 

@@ -83,7 +83,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
-mkdir -p "$OUT"
+[ -n "${DRY:-}" ] || mkdir -p "$OUT"
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tune.run(args, error)
     from vllm_kimi_dsa.bench import serving, suite
 
-    return suite.run(args, error, extra={"serving": (serving.points, serving.serving_section)})
+    return suite.run(args, error, extra={"serving": (serving.points, serving.serving_section, serving.warm)})
 
 
 if __name__ == "__main__":

@@ -998,10 +998,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     return run(ap.parse_args(argv), ap.error)
 
 
-# A section above the suite (bench.serving): points(quick, rows, heads) -> (rows, heads) it runs, and
+# A section above the suite (bench.serving): points(quick, rows, heads) -> (rows, heads) it runs,
 # section(suite, data, ceil, peer, rows, heads) -> None, run after the accuracy section with the peers built for its
-# head counts too.
-Extra = tuple[Callable[..., tuple[tuple[int, ...], tuple[int, ...]]], Callable[..., None]]
+# head counts too, and warm(suite, data, rows, heads) -> None, run while the peers build.
+Extra = tuple[Callable[..., tuple[tuple[int, ...], tuple[int, ...]]], Callable[..., None], Callable[..., None]]
 
 
 def run(args: argparse.Namespace, error: Callable[[str], NoReturn], extra: dict[str, Extra] | None = None) -> int:
@@ -1022,7 +1022,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn], extra: dict[
     for name in set(args.sections) & set(SECTIONS) - {"decode", "torch", "convert", "fused", "accuracy", "prefill"}:
         if name not in extra:
             log(f"section {name}: not run here (python -m vllm_kimi_dsa bench runs it)")
-    extra_points = {name: points(args.quick, args.rows, args.heads) for name, (points, _) in extra.items()}
+    extra_points = {name: fns[0](args.quick, args.rows, args.heads) for name, fns in extra.items()}
     peer_heads = sorted(set(heads_list).union(*(h for _, h in extra_points.values())), reverse=True)
 
     # The peers: start their builds first so they overlap everything else.
@@ -1112,6 +1112,8 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn], extra: dict[
     if builds is not None:  # every kernel of a point is timed in turn with the others: the peers must be ready
         if "decode" in sections:  # meanwhile compile ours at every point (one eager call each)
             warm_ours(suite, data, rows_list, heads_list, ours)
+        for name, fns in extra.items():
+            fns[2](suite, data, *extra_points[name])
         log(f"{suite.elapsed()} waiting for the peer builds")
         b = builds.wait()
         peer = {}
@@ -1134,8 +1136,8 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn], extra: dict[
         if args.heads is not None:  # the error sizes of the head counts asked for
             sizes = tuple(sz for sz in sizes if sz[1] in heads_list) or sizes[:1]
         accuracy_section(suite, sizes, kinds, peer)
-    for name, (_, section) in extra.items():
-        section(suite, data, ceil, peer, *extra_points[name])
+    for name, fns in extra.items():
+        fns[1](suite, data, ceil, peer, *extra_points[name])
 
     if want_prefill:
         reps, warmup = (5, 1) if args.quick else (10, 2)

@@ -196,7 +196,7 @@ def plan_schedule(counts: torch.Tensor, width: int, tabs: ScheduleTables) -> Non
         s.static[0], s.static[1],
         BLOCK_N=s.block_n, BLOCK_R=next_pow2(max(s.rows, 2)), BLOCK_T=next_pow2(max(s.tiles, 2)), SQ=s.sqrt_tiles,
         NU=U_CANDIDATES, STEPS=s.bisect_steps, BLOCK_G=min(1024, next_pow2(max(s.items, 2))), DECI_C=DECI,
-        COMBINE_C=COMBINE_DECI, num_warps=4,
+        COMBINE_C=COMBINE_DECI, num_warps=8 if s.rows > 64 else 4,
     )
 
 
