@@ -101,6 +101,25 @@ def test_device_planner_writes_the_host_twins_tables(heads, cfg, sms, rows, widt
         assert [tuple(x[:3]) for x in tabs.splits.tolist()[:n_split]] == host.splits, kind
 
 
+# counts where candidates of one cost differ in pieces (the plain kernel's configs charge a split nothing): the pick
+# takes the fewest, on the device as in the twin
+TIES = [(4, 3, 2048, [1653, 0, 0]), (4, 5, 512, [358, 493, 181, 512, 429]), (4, 5, 2048, [0, 1, 2048, 0, 147])]
+
+
+@pytest.mark.parametrize("heads,rows,width,counts", TIES)
+def test_equal_costs_take_the_fewest_pieces(heads, rows, width, counts) -> None:
+    shape = psched.schedule_shape(rows, width, heads, default_config(heads, "fp8"), 4)
+    tiles = psched.row_tiles(counts, width, shape.block_n)
+    ests = [e for c in psched.candidates(shape) if (e := psched.estimate(shape, tiles, *c)) is not None]
+    cheapest = min(e[0] for e in ests)
+    fewest = min(e[1] for e in ests if e[0] == cheapest)
+    assert len({e[1] for e in ests if e[0] == cheapest}) > 1, "no tie here: the case tests nothing"
+    choice, cost = psched.pick(shape, tiles)
+    assert cost == cheapest and psched.estimate(shape, tiles, *choice)[1] == fewest
+    tabs = _device_tables(shape, counts, width)
+    assert tuple(tabs.meta.tolist()[2:]) == choice
+
+
 def _check_tables(shape: psched.ScheduleShape, sched: psched.Schedule, counts: list[int], width: int) -> None:
     """Every row's items cover [0, its count) once, in order, in pieces of at most P tiles after a first of L (a whole
     row: one item, part -1); items 0 .. rows - 1 are the rows' first; partial slots are distinct and below
