@@ -291,14 +291,13 @@ def test_scheduled_launch_splits_rows_and_leaves_idle_items() -> None:
     assert not one.splits and one.items[0] == (0, 0, 64, -1)
 
 
-@pytest.mark.parametrize("inline", [64, 2])
-def test_scheduled_combine_inline_and_in_chunks(inline, monkeypatch) -> None:
-    """The scheduled combine holds a row's pieces inline up to INLINE_SPLITS and walks them in CHUNK_SPLITS steps
-    past it (forced here by a small inline bound); both merge to the reference."""
-    monkeypatch.setattr(kcombine, "INLINE_SPLITS_C", inline)
-    monkeypatch.setattr(kcombine, "CHUNK_SPLITS", 2)
+@pytest.mark.parametrize("chunk", [8, 2])
+def test_scheduled_combine_walks_the_pieces_in_chunks(chunk, monkeypatch) -> None:
+    """The scheduled combine walks a row's pieces SCHEDULED_CHUNK at a time: one step for a row of <= 8 pieces,
+    several (forced here by a chunk of 2 against rows of >= 3 pieces); both merge to the reference."""
+    monkeypatch.setattr(kcombine, "SCHEDULED_CHUNK", chunk)
     rows, heads, width = 3, 16, 512
-    q, kv, slots, counts, ss, os_ = random_case(rows, heads, width, "fp8", seed=inline)
+    q, kv, slots, counts, ss, os_ = random_case(rows, heads, width, "fp8", seed=chunk)
     for i, c in enumerate((width, width - 1, 3)):  # row 0's selection rolled, junk past the count
         counts[i] = c
         slots[i] = torch.roll(slots[0], 5 * i)

@@ -4,7 +4,8 @@ Every decode kernel writes its partials as combine_kernel reads them (workspace.
 + split) * H + head). Up to INLINE_SPLITS splits a row the combine holds every split's dims in its threads at once
 (combine_kernel); past that it walks the splits in chunks of CHUNK_SPLITS (combine_chunks_kernel: one pass for the
 LSE maximum, one for the weighted sum), so a plan may split a row as far as its tiles go. A scheduled launch's rows
-split as its planner decided (combine_scheduled_kernel: the planner's split table, entries (slot + piece) * H + head).
+split as its planner decided (combine_scheduled_kernel: the planner's split table, entries (slot + piece) * H + head,
+walked SCHEDULED_CHUNK pieces a step).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from vllm_kimi_dsa.kernels.common.workspace import Workspace
 LOG2E = 1.4426950408889634  # softmax_scale * LOG2E: the kernels' base-2 logits
 LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE * LN2: the natural-log LSE the contract returns
 INLINE_SPLITS = 64  # at most this many splits a row: every split's dims in registers at once (combine_kernel)
-INLINE_SPLITS_C = tl.constexpr(INLINE_SPLITS)
 CHUNK_SPLITS = 32  # past INLINE_SPLITS: splits a step of combine_chunks_kernel's walk
+# the scheduled combine's step: a row's pieces vary call to call (1 to the row's tiles), so it always walks them, 8 a
+# step (80 registers a thread at 2 warps; holding a 32-piece row's slots at once spilled 184 bytes, Triton 3.6)
+SCHEDULED_CHUNK = 8
 
 
 @triton.jit
@@ -108,24 +111,19 @@ def merge_chunks(part_out_ptr, part_lse_ptr, first, step, n, out_ptr, lse_ptr, r
 def combine_scheduled_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, splits_ptr, meta_ptr,
     H, stride_o_row, stride_o_head, stride_lse_row, out_scale,
-    SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+    CHUNK: tl.constexpr, D: tl.constexpr,
 ):
     """The combine of a scheduled launch: program (h, j) merges head h of split rows j, j + programs, ... of the
     planner's split table (row, first partial slot, pieces; its count in meta[1]); the pieces' entries are
-    (slot + s) * H + h. SPLITS: the most pieces a row may have (inline up to INLINE_SPLITS, else in CHUNK steps)."""
+    (slot + s) * H + h, walked CHUNK at a time (merge_chunks)."""
     h = tl.program_id(0)
     n_split = tl.load(meta_ptr + 1)
     for j in range(tl.program_id(1), n_split, tl.num_programs(1)):
         row = tl.load(splits_ptr + j * 4)
         first = tl.load(splits_ptr + j * 4 + 1)
         n = tl.load(splits_ptr + j * 4 + 2)
-        if SPLITS <= INLINE_SPLITS_C:
-            offs_s = tl.arange(0, SPLITS)
-            merge_partials(part_out_ptr, part_lse_ptr, (first + offs_s) * H + h, offs_s < n, out_ptr, lse_ptr, row,
-                           h, stride_o_row, stride_o_head, stride_lse_row, out_scale, D)
-        else:
-            merge_chunks(part_out_ptr, part_lse_ptr, first * H + h, H, n, out_ptr, lse_ptr, row, h,
-                         stride_o_row, stride_o_head, stride_lse_row, out_scale, CHUNK, D)
+        merge_chunks(part_out_ptr, part_lse_ptr, first * H + h, H, n, out_ptr, lse_ptr, row, h,
+                     stride_o_row, stride_o_head, stride_lse_row, out_scale, CHUNK, D)
 
 
 def combine(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, splits: int, output_scale: float) -> None:
@@ -167,6 +165,5 @@ def combine_scheduled(ws: Workspace, out: torch.Tensor, lse_t: torch.Tensor, tab
     combine_scheduled_kernel[(heads, min(shape.split_rows, COMBINE_PROGRAM_ROWS))](
         ws.part_out, ws.part_lse, out, lse_t, tabs.splits, tabs.meta,
         heads, out.stride(0), out.stride(1), lse_t.stride(0), output_scale,
-        SPLITS=next_pow2(max(shape.tiles, 2)), CHUNK=CHUNK_SPLITS, D=LATENT_DIM,
-        num_warps=combine_warps(ws),
+        CHUNK=SCHEDULED_CHUNK, D=LATENT_DIM, num_warps=combine_warps(ws),
     )
