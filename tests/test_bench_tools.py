@@ -211,6 +211,24 @@ def test_device_run_steps(tmp_path: Path) -> None:
     assert lines[7] == "python3 -m vllm_kimi_dsa tune --out t.json"
 
 
+def test_device_run_step_caps(tmp_path: Path) -> None:
+    """STEP@S caps a step at S seconds (the budget's rest when fewer), so the steps after a slow or hung one still
+    run; a dry run makes no $OUT."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "tools" / "device_run.sh"), "--budget", "540", "tests@240",
+                        "tests/test_schedule.py", "+", "suite", "--sections", "serving", "+", "py@9999", "x.py"],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env={"PATH": "/usr/bin:/bin", "DRY": "1", "OUT": str(out)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("(at most 240s) python3 -m pytest") and lines[0].endswith("tests/test_schedule.py")
+    assert "(at most" not in lines[1] and lines[1].endswith("--sections serving")
+    assert lines[2] == "(at most 9999s) python3 x.py"  # (the dry run prints the cap asked for)
+    assert not out.exists()
+    r = _device_run(tmp_path, "tests@soon")
+    assert r.returncode == 2 and "the cap must be whole seconds" in r.stdout
+
+
 def test_device_run_usage_and_bad_step(tmp_path: Path) -> None:
     r = _device_run(tmp_path)
     assert r.returncode == 2 and "tools/device_run.sh [--t38]" in r.stdout

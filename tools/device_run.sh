@@ -2,7 +2,8 @@
 # The device runner: GPU tests, the benchmark suite, profiles and sanitizer runs of the shipped kernels, as steps of
 # one device call (the `run` tool: repo root, torch + Triton 3.6, no vLLM / FlashInfer; what lands in $OUT comes back).
 #   bash tools/device_run.sh [--t38] [--vllm] [--budget S] STEP [ARGS...] [+ STEP [ARGS...]]...
-# Steps (each under `timeout` with what is left of the budget: a hang, e.g. an mbarrier phase bug, shows as rc 124):
+# Steps (each under `timeout` with what is left of the budget, or STEP@S's S seconds when fewer: a hang, e.g. an
+# mbarrier phase bug, shows as rc 124; `tests@240 ...` keeps what is left after 240 s for the steps after it):
 #   tests [PYTEST ARGS]        pytest -q -rs of ARGS (default: the GPU test files, $GPU_TESTS)
 #   suite [BENCH ARGS]         python -m vllm_kimi_dsa bench --out $OUT; the fa3 peer from .carry/fi when carried
 #                              (/work/shared/device/flashinfer-sm90/prepare.sh .carry/fi), else --no-peer
@@ -106,7 +107,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
-mkdir -p "$OUT"
+[ -n "${DRY:-}" ] || mkdir -p "$OUT"
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
@@ -116,15 +117,19 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin
 # run N STEP CMD...: CMD under timeout (what is left of the budget), its output in $OUT/N_STEP.log
 run() {
   local log="$OUT/$1_$2.log" left=$(( BUDGET - $(date +%s) + T0 )); shift 2
-  if [ -n "${DRY:-}" ]; then echo "$*"; return 0; fi
+  [ -z "${CAP:-}" ] || [ "$CAP" -ge "$left" ] || left=$CAP
+  if [ -n "${DRY:-}" ]; then echo "${CAP:+(at most ${CAP}s) }$*"; return 0; fi
   [ "$left" -ge 15 ] || { say "== $(basename "$log" .log) skipped: ${left}s left"; return 0; }
   timeout -k 10 "$left" "$@" > "$log" 2>&1
   local rc=$?
   say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
   return $rc
 }
-step() {  # N STEP ARGS...
+step() {  # N STEP[@SECONDS] ARGS...
   local n=$1 s=$2; shift 2
+  CAP=""
+  case $s in *@*) CAP=${s#*@}; s=${s%@*}
+    [[ $CAP =~ ^[0-9]+$ ]] || { echo "step $s@$CAP: the cap must be whole seconds"; exit 2; };; esac
   case $s in
     tests) [ $# -gt 0 ] || set -- $GPU_TESTS
            run "$n" tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/${n}_junit.xml" "$@";;

@@ -176,9 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_kimi_dsa import tune
 
         return tune.run(args, error)
-    from vllm_kimi_dsa.bench import suite
+    from vllm_kimi_dsa.bench import serving, suite
 
-    return suite.run(args, error)
+    return suite.run(args, error, extra={"serving": (serving.points, serving.serving_section, serving.warm)})
 
 
 if __name__ == "__main__":

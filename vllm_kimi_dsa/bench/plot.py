@@ -2,7 +2,8 @@
 and the markdown tables (bench_suite.md, the prefill table included). Needs matplotlib (the `bench` extra).
 
     python -m vllm_kimi_dsa.bench.plot JSON [--out-dir DIR]   -> bench_H128.png, bench_H16_H12.png,
-                                                                 bench_suite.md (also printed)
+                                                                 serving_time_vs_work.png (with a serving
+                                                                 section), bench_suite.md (also printed)
 DIR defaults to the JSON's folder.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kimi_dsa.bench.prefill import prefill_table
+from vllm_kimi_dsa.bench.serving import plot_time_vs_work, proportionality_summary, serving_table
 
 # One colour per kernel family/format, so a kernel and its floor line match.
 COLORS = {
@@ -89,6 +91,8 @@ def plot(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    if data.get("serving", {}).get("records"):
+        written.append(plot_time_vs_work(data["serving"], out))
     return written
 
 
@@ -230,6 +234,14 @@ def markdown(data: dict[str, Any], rows_show: tuple[int, ...] | None = None) -> 
         lines += _table("**Plain torch** (gather, dequantize to BF16, BF16 bmm)", ["rows", "H", "µs", "TFLOP/s-eq"],
                         (f"| {r['rows']} | {r['heads']} | {r['us']:.1f} | {r['tflops']:.1f} |"
                          for r in sorted(base, key=lambda r: (-r["heads"], r["rows"]))))
+    if data.get("serving", {}).get("records"):
+        worst = proportionality_summary(data["serving"])
+        lines += ["**Serving section** (count distributions; µs per call (proportionality = (t / t_all-full) / work; "
+                  "fraction of the work's floor)); ours / peer per distribution, [range], (work ratio)", "",
+                  serving_table(data["serving"]),
+                  "Worst proportionality from 32 rows: " + ("; ".join(
+                      f"{k} {v['proportionality']:.2f} (H={v['heads']}, {v['rows']} rows, {v['dist']})"
+                      for k, v in sorted(worst.items())) or "-"), ""]
     if data.get("prefill"):
         lines += ["**Prefill** (one chunk through serving.LayerStep, eager, vs FlashMLA's sparse prefill as vLLM runs "
                   "it; µs (TFLOP/s-eq; fraction of the floor))", "", prefill_table(data["prefill"]), ""]

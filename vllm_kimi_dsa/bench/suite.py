@@ -216,9 +216,11 @@ def even_plans() -> Iterator[None]:
 
 
 def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True,
-                  fp8_pv: bool = False, kernel_scales: tuple[float, float] | None = None) -> Callable[..., None]:
+                  fp8_pv: bool = False, kernel_scales: tuple[float, float] | None = None,
+                  schedule: str = "static") -> Callable[..., None]:
     """Our kernel as the core binds it; lead False: even plans only (--even); fp8_pv: VLLM_KIMI_DSA_FP8_PV=1;
-    kernel_scales: (softmax_scale, output_scale) (default: scales(fmt), the timing data's)."""
+    kernel_scales: (softmax_scale, output_scale) (default: scales(fmt), the timing data's); schedule:
+    VLLM_KIMI_DSA_SCHEDULE ("counts": the scheduled launches)."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.backends.hopper import TritonDecode
 
@@ -226,7 +228,7 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: b
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
                         return_lse=False, softmax_scale=sm, output_scale=osc)
     with contextlib.nullcontext() if lead else even_plans(), \
-            mock.patch.dict(os.environ, {envs.FP8_PV: "1" if fp8_pv else "0"}):
+            mock.patch.dict(os.environ, {envs.FP8_PV: "1" if fp8_pv else "0", envs.SCHEDULE: schedule}):
         kernel = TritonDecode(setup)
 
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
@@ -236,7 +238,8 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: b
     # kernel ("SeesawParams+GluonParams": whole rows on the seesaw kernel, the split rest on the 64-head kernel)
     picked = dict.fromkeys("tl" if p is None else type(p).__name__ for p in kernel.plan_params[rows, K])
     lead_tiles = kernel.plan_leads[rows, K]
-    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "")  # type: ignore[attr-defined]
+    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "") + (  # type: ignore[attr-defined]
+        " scheduled" if kernel.scheduled else "")
     return call
 
 
@@ -398,6 +401,7 @@ class Suite:
         self.failures: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
         self.prefill: dict[str, Any] | None = None  # bench_prefill's section, when it ran
+        self.serving: dict[str, Any] | None = None  # bench.serving's section ({"records", "ratios"}), when it ran
         self.t0 = time.perf_counter()
 
     def dump(self) -> None:
@@ -405,6 +409,8 @@ class Suite:
                    "failures": self.failures}
         if self.prefill is not None:
             payload["prefill"] = self.prefill
+        if self.serving is not None:
+            payload["serving"] = self.serving
         tmp = self.out_dir / "bench_suite.json.tmp"
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, self.out_dir / "bench_suite.json")
@@ -930,7 +936,8 @@ def _peer_names(text: str) -> tuple[str, ...]:
     return values
 
 
-SECTIONS = ("decode", "torch", "convert", "fused", "accuracy", "prefill")  # torch and prefill: not in --quick
+# torch and prefill: not in --quick; serving: bench.serving's, run by `python -m vllm_kimi_dsa bench` (run's `extra`)
+SECTIONS = ("decode", "torch", "convert", "fused", "accuracy", "prefill", "serving")
 
 
 def _section_names(text: str) -> tuple[str, ...]:
@@ -985,13 +992,21 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse the suite's options and run it; exit status 2 (argparse's usage error) without a CUDA GPU."""
+    """Parse the suite's options and run it (without the serving section: `python -m vllm_kimi_dsa bench` runs it);
+    exit status 2 (argparse's usage error) without a CUDA GPU."""
     ap = build_parser(prog)
     return run(ap.parse_args(argv), ap.error)
 
 
-def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
-    """Run the suite for parsed options; `error` is the parser's (usage + message, exit 2)."""
+# A section above the suite (bench.serving): points(quick, rows, heads) -> (rows, heads) it runs,
+# section(suite, data, ceil, peer, rows, heads) -> None, run after the accuracy section with the peers built for its
+# head counts too, and warm(suite, data, rows, heads) -> None, run while the peers build.
+Extra = tuple[Callable[..., tuple[tuple[int, ...], tuple[int, ...]]], Callable[..., None], Callable[..., None]]
+
+
+def run(args: argparse.Namespace, error: Callable[[str], NoReturn], extra: dict[str, Extra] | None = None) -> int:
+    """Run the suite for parsed options; `error` is the parser's (usage + message, exit 2); extra: the sections
+    above this module by name (what `python -m vllm_kimi_dsa bench` hands in: "serving")."""
     if not torch.cuda.is_available():
         # A usage error rather than a failure: the suite times CUDA graphs, there is nothing to measure here.
         error("needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
@@ -1003,6 +1018,12 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     rows_list = (QUICK_ROWS if args.quick else FULL_ROWS) if args.rows is None else args.rows
     heads_list = (QUICK_HEADS if args.quick else FULL_HEADS) if args.heads is None else args.heads
     rows_list = tuple(sorted(set(rows_list)))
+    extra = {name: fns for name, fns in (extra or {}).items() if name in args.sections}
+    for name in set(args.sections) & set(SECTIONS) - {"decode", "torch", "convert", "fused", "accuracy", "prefill"}:
+        if name not in extra:
+            log(f"section {name}: not run here (python -m vllm_kimi_dsa bench runs it)")
+    extra_points = {name: fns[0](args.quick, args.rows, args.heads) for name, fns in extra.items()}
+    peer_heads = sorted(set(heads_list).union(*(h for _, h in extra_points.values())), reverse=True)
 
     # The peers: start their builds first so they overlap everything else.
     peers = () if args.no_peer else args.peers
@@ -1040,8 +1061,7 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     if FLASHMLA_KIND in peer_kinds:
         fmla_where = "auto" if flashmla.available(args.flashmla)[1] == flashmla.SOURCE_VLLM else \
             str(flashmla.harness_dir(args.flashmla))
-    builds = PeerBuilds(peer_kinds, sorted(set(heads_list), reverse=True), fmla_where) \
-        if peer_kinds and decode_data else None
+    builds = PeerBuilds(peer_kinds, peer_heads, fmla_where) if peer_kinds and decode_data else None
 
     import triton
 
@@ -1092,11 +1112,13 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
     if builds is not None:  # every kernel of a point is timed in turn with the others: the peers must be ready
         if "decode" in sections:  # meanwhile compile ours at every point (one eager call each)
             warm_ours(suite, data, rows_list, heads_list, ours)
+        for name, fns in extra.items():
+            fns[2](suite, data, *extra_points[name])
         log(f"{suite.elapsed()} waiting for the peer builds")
         b = builds.wait()
         peer = {}
         for kind, res in b.items():
-            res["usable_heads"] = {h: peer_heads_ok(res, h) for h in heads_list}
+            res["usable_heads"] = {h: peer_heads_ok(res, h) for h in peer_heads}
             peer[kind] = res
             log(f"{suite.elapsed()} peer {kind}: rc={res['rc']} wall={res['wall_s']}s usable heads "
                 f"{[h for h, ok in res['usable_heads'].items() if ok]} {res['tail'][-300:]}")
@@ -1114,6 +1136,8 @@ def run(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> int:
         if args.heads is not None:  # the error sizes of the head counts asked for
             sizes = tuple(sz for sz in sizes if sz[1] in heads_list) or sizes[:1]
         accuracy_section(suite, sizes, kinds, peer)
+    for name, fns in extra.items():
+        fns[1](suite, data, ceil, peer, *extra_points[name])
 
     if want_prefill:
         reps, warmup = (5, 1) if args.quick else (10, 2)

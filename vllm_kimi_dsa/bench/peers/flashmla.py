@@ -204,13 +204,16 @@ class FlashMLAPeer:
     """One fp8_ds_mla sparse decode of `rows` rows x `heads` heads over `width` selected rows each, as vLLM runs it.
 
     ext: load()'s module. sm_scale: logits = sm_scale * q . k (k the dequantized row). The first call (plan) makes the
-    scheduler metadata for this batch shape; later calls reuse it (capturable in a CUDA graph).
+    scheduler metadata for this batch shape; later calls reuse it (capturable in a CUDA graph), or (fresh_metadata)
+    every call makes its own, in its time.
     """
 
-    def __init__(self, ext: Any, heads: int, rows: int, width: int, *, sm_scale: float) -> None:
+    def __init__(self, ext: Any, heads: int, rows: int, width: int, *, sm_scale: float,
+                 fresh_metadata: bool = False) -> None:
         self.ext, self.heads, self.rows, self.width = ext, int(heads), int(rows), int(width)
         self.padded = padded_heads(self.heads)
         self.sm_scale = float(sm_scale)
+        self.fresh_metadata = bool(fresh_metadata)
         self.meta: Any = None
         self.nsplits: Any = None
 
@@ -231,8 +234,9 @@ class FlashMLAPeer:
         else:
             qp = q4
         kv = kv_rows.view(kv_rows.shape[0] // PAGE, PAGE, 1, ROW_BYTES)
+        meta, nsplits = (None, None) if self.fresh_metadata else (self.meta, self.nsplits)
         out, _lse, meta, nsplits = self.ext.sparse_decode_fwd(
-            qp, kv, idx, None, None, self.meta, self.nsplits, None, None, None, D_V, self.sm_scale)
+            qp, kv, idx, None, None, meta, nsplits, None, None, None, D_V, self.sm_scale)
         self.meta, self.nsplits = meta, nsplits
         return out[:, :, : self.heads].reshape(q.shape[0], self.heads, D_V)
 
@@ -243,11 +247,15 @@ class VllmFlashMLA:
     ops: vllm_ops()'s module. heads: the rank's query heads; rows: query tokens a call (a decode batch, or a
     prefill chunk's tokens below 32 heads); sm_scale: logits = sm_scale * q . k (k the dequantized row).
     The first call (plan) fills the step's scheduler metadata (vLLM: a fresh get_mla_metadata() a step); later calls
-    reuse it (graph-capturable). Each call pads the query as vLLM does (q.new_zeros + copy, inside the call).
+    reuse it (graph-capturable), or (fresh_metadata) every call takes a fresh get_mla_metadata(), filled in that call
+    (its scheduler kernel then runs in the call's time, as in a step's first layer). Each call pads the query as vLLM
+    does (q.new_zeros + copy, inside the call).
     """
 
-    def __init__(self, ops: Any, heads: int, rows: int, *, sm_scale: float, device: torch.device | str) -> None:
+    def __init__(self, ops: Any, heads: int, rows: int, *, sm_scale: float, device: torch.device | str,
+                 fresh_metadata: bool = False) -> None:
         self.ops, self.heads, self.rows, self.sm_scale = ops, int(heads), int(rows), float(sm_scale)
+        self.fresh_metadata = bool(fresh_metadata)
         self.shape = vllm_shape(self.heads, self.rows)
         self.padded = self.shape["padded"]
         batch = self.shape["batch"]
@@ -279,7 +287,8 @@ class VllmFlashMLA:
         out, _lse = self.ops.flash_mla_with_kvcache(
             q=q4, k_cache=kv_rows.view(-1, PAGE, ROW_BYTES).view(torch.uint8).unsqueeze(-2),
             block_table=self.dummy_block_table, head_dim_v=D_V, cache_seqlens=self.cache_lens,
-            tile_scheduler_metadata=self.sched, is_fp8_kvcache=True, indices=idx, softmax_scale=self.sm_scale)
+            tile_scheduler_metadata=self.ops.get_mla_metadata()[0] if self.fresh_metadata else self.sched,
+            is_fp8_kvcache=True, indices=idx, softmax_scale=self.sm_scale)
         if h < self.padded:
             out = out[:, :, :h, :]
         return out.squeeze(0) if self.shape["mixed"] else out.view(b * s, h, D_V)
@@ -305,12 +314,13 @@ def open_source(record: dict[str, Any]) -> tuple[str, Any]:
 
 
 def make_peer(source: tuple[str, Any], heads: int, rows: int, width: int, *, sm_scale: float,
-              device: torch.device | str) -> VllmFlashMLA | FlashMLAPeer:
-    """The decode of `source` (open_source's) for a batch of `rows` rows of `heads` heads over `width` selections."""
+              device: torch.device | str, fresh_metadata: bool = False) -> VllmFlashMLA | FlashMLAPeer:
+    """The decode of `source` (open_source's) for a batch of `rows` rows of `heads` heads over `width` selections;
+    fresh_metadata: the scheduler metadata made in every call (as the first layer of each vLLM step makes it)."""
     kind, handle = source
     if kind == SOURCE_VLLM:
-        return VllmFlashMLA(handle, heads, rows, sm_scale=sm_scale, device=device)
-    return FlashMLAPeer(handle, heads, rows, width, sm_scale=sm_scale)
+        return VllmFlashMLA(handle, heads, rows, sm_scale=sm_scale, device=device, fresh_metadata=fresh_metadata)
+    return FlashMLAPeer(handle, heads, rows, width, sm_scale=sm_scale, fresh_metadata=fresh_metadata)
 
 
 def probe(source: tuple[str, Any], heads: int, rows: int = 3, width: int = 256,
