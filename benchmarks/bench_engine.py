@@ -64,6 +64,11 @@ BOUND_FACTOR = 1.5
 # per-tensor ones) and against FLASHINFER_MLA_SPARSE_SM90 fed this backend's FP8 query (the same cache bytes).
 FORMAT_BOUND = 3.4  # 1.5 x 2.2484, FLASHINFER_MLA_SPARSE_SM90 (BF16 query) against FLASHMLA_SPARSE, H100 2026-12-07
 SAME_INPUTS_BOUND = 2.9  # 1.5 x 1.9094, this backend (CUDA graphs) against SAME_INPUTS, the same run
+def module_bounds() -> dict[str, float]:
+    """{"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}, the bounds assess and the report use by default."""
+    return {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}
+
+
 MOST = 0.5  # a negative control must exceed the bound on more than this fraction of the requests
 SAME_INPUTS = f"{ew.FLASHINFER_SM90}+fp8q"  # vLLM's FLASHINFER_MLA_SPARSE_SM90 on this backend's rounded query
 
@@ -72,7 +77,6 @@ CHECK_CONTEXT = (2100, 6000)
 REQUESTS = (1, 8, 32, 128)
 MIXES = ("uniform-4096", "ragged-100-8000")
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every timed batch and the check's 64 (both engines alike)
-MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 128, 8192
 SIDE_MEMORY = 0.2  # fraction of the GPU for an engine beside the two timed ones (0.3 each by default)
 WARMUP = 4
 TOPK = 2048
@@ -232,7 +236,7 @@ def assess(compared: dict[str, dict], bounds: dict[str, float] | None = None) ->
     (graphs, eager) within the format bound of FLASHMLA_SPARSE and within the same-input bound of
     FLASHINFER_MLA_SPARSE_SM90 fed their query; each planted fault caught at the same-input bound (at the format bound
     when FlashInfer did not run), and, reported beside, whether the format bound alone catches it."""
-    bounds = {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND, **(bounds or {})}
+    bounds = {**module_bounds(), **(bounds or {})}
     out: dict[str, dict] = {}
     for name in (OURS, "eager:none"):
         for ref, bound in ((FLASHMLA, bounds["format"]), (SAME_INPUTS, bounds["same_inputs"])):
@@ -316,8 +320,7 @@ def engine_spec(out_dir: Path, name: str, model: Path, backend: str, heads: int,
     FlashInfer's), given SIDE_MEMORY of the GPU instead of the run's share."""
     return {"backend": backend, "heads": heads, "model": str(model), "log": str(out_dir / f"{name}.log"),
             "eager": eager, "faults": faults, "fi_site": fi_site, "shims": args.shims,
-            "force_mqa": not ew.flash_attention_present(), "max_num_seqs": MAX_NUM_SEQS,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "capture_sizes": list(args.capture_sizes),
+            "force_mqa": not ew.flash_attention_present(), "capture_sizes": list(args.capture_sizes),
             "gpu_memory_utilization": SIDE_MEMORY if side else args.gpu_memory_utilization}
 
 
@@ -352,7 +355,7 @@ def batch_tokens(lengths: list[int], repeats: int, steps: int) -> int:
     a prefill step, since the first requests decode while chunked prefill still feeds the later ones (the H100 run of
     2026-12-07 gave 77 tokens a request: at 32 and 128 requests the first ones finished inside the last windows, which
     the scheduler's records showed as batches of 30, 29, 27 ... requests)."""
-    prefill_steps = math.ceil(sum(lengths) / MAX_NUM_BATCHED_TOKENS) + len(lengths)
+    prefill_steps = math.ceil(sum(lengths) / ew.MAX_NUM_BATCHED_TOKENS) + len(lengths)
     return 1 + WARMUP + (repeats + 1) * steps + prefill_steps + 16
 
 
@@ -376,6 +379,7 @@ def time_point(engines: dict[str, EngineProcess], heads: int, requests: int, mix
             engines[n].call("end_batch")
     rows = []
     for n in names:
+        every = [*windows[n], profiled[n]]
         step_us = [w["seconds"] / w["steps"] * 1e6 for w in windows[n]]
         median = statistics.median(step_us)
         gpu = classify(profiled[n]["kernels_us"], profiled[n]["steps"])
@@ -391,9 +395,9 @@ def time_point(engines: dict[str, EngineProcess], heads: int, requests: int, mix
             "gpu_us": round(gpu["gpu_us"], 2), "by_class_us": gpu["by_class_us"],
             "attention_floor_us": None if floor is None else round(floor, 2),
             "attention_floor_fraction": None if not floor else round(floor / gpu["attention_us"], 3),
-            "pure_decode": all(w["pure_decode"] for w in [*windows[n], profiled[n]]),
-            "scheduled_steps": [w["scheduled_steps"] for w in [*windows[n], profiled[n]]],
-            "impure_steps": [s for w in [*windows[n], profiled[n]] for s in w.get("impure_steps", [])][:6],
+            "pure_decode": all(w["pure_decode"] for w in every),
+            "scheduled_steps": [w["scheduled_steps"] for w in every],
+            "impure_steps": [s for w in every for s in w.get("impure_steps", [])][:6],
             "prompt_tokens": sum(lengths), "prefill_s": round(prefill[n]["prefill_s"], 3),
             "top_kernels": gpu["top_kernels"],
         })
@@ -417,15 +421,34 @@ def _engine_summary(engine: EngineProcess) -> dict[str, Any]:
     return info
 
 
+def _record(name: str, got: dict, summary: dict, logprobs: dict) -> None:
+    logprobs[name] = got.pop("logprobs")
+    summary.setdefault("checks", {})[name] = got
+
+
 def _checks(engines: dict[str, EngineProcess], prompts, traces, summary: dict, logprobs: dict) -> None:
     for name, engine in engines.items():
         try:
-            got = engine.call("check", prompts=prompts, traces=traces)
+            _record(name, engine.call("check", prompts=prompts, traces=traces), summary, logprobs)
         except RuntimeError as e:
             summary.setdefault("errors", {})[name] = str(e)[:4000]
-            continue
-        logprobs[name] = got.pop("logprobs")
-        summary.setdefault("checks", {})[name] = got
+
+
+def _switched_checks(engine: EngineProcess, label: str, switches: list[tuple[str, str, dict]], prompts, traces,
+                     summary: dict, logprobs: dict) -> None:
+    """One eager engine beside the timed two, checked once per switch (the name its log-probabilities go under, the
+    command that sets it and its arguments), then stopped."""
+    summary["engines"][label] = _engine_summary(engine)
+    try:
+        for name, command, kwargs in switches:
+            if engine.error:
+                break
+            engine.call(command, **kwargs)
+            _record(name, engine.call("check", prompts=prompts, traces=traces), summary, logprobs)
+    except RuntimeError as e:
+        summary.setdefault("errors", {})[label] = str(e)[:4000]
+    finally:
+        engine.stop()
 
 
 def _fault_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespace, prompts, traces, summary: dict,
@@ -433,19 +456,8 @@ def _fault_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespa
     """This backend in an eager engine, unfaulted ("eager:none", a correct engine) then with each planted fault."""
     faulty = EngineProcess(engine_spec(out_dir, f"h{heads}_faults", model, OURS, heads, args, eager=True, faults=True,
                                        side=True))
-    summary["engines"]["faults"] = _engine_summary(faulty)
-    try:
-        for mode in ("none", *ew.FAULTS):
-            if faulty.error:
-                break
-            faulty.call("set_fault", mode=mode)
-            got = faulty.call("check", prompts=prompts, traces=traces)
-            logprobs[f"eager:{mode}"] = got.pop("logprobs")
-            summary.setdefault("checks", {})[f"eager:{mode}"] = got
-    except RuntimeError as e:
-        summary.setdefault("errors", {})["faults"] = str(e)[:4000]
-    finally:
-        faulty.stop()
+    switches = [(f"eager:{mode}", "set_fault", {"mode": mode}) for mode in ("none", *ew.FAULTS)]
+    _switched_checks(faulty, "faults", switches, prompts, traces, summary, logprobs)
 
 
 def _flashinfer_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespace, prompts, traces,
@@ -454,19 +466,9 @@ def _flashinfer_checks(out_dir: Path, model: Path, heads: int, args: argparse.Na
     (engine_worker.QueryRounding)."""
     fi = EngineProcess(engine_spec(out_dir, f"h{heads}_fi_sm90", model, FLASHINFER_SM90, heads, args, eager=True,
                                    fi_site=args.fi_site, side=True))
-    summary["engines"][FLASHINFER_SM90] = _engine_summary(fi)
-    try:
-        for name, rounding in ((FLASHINFER_SM90, False), (SAME_INPUTS, True)):
-            if fi.error:
-                break
-            fi.call("set_query_rounding", on=rounding)
-            got = fi.call("check", prompts=prompts, traces=traces)
-            logprobs[name] = got.pop("logprobs")
-            summary.setdefault("checks", {})[name] = got
-    except RuntimeError as e:
-        summary.setdefault("errors", {})[FLASHINFER_SM90] = str(e)[:4000]
-    finally:
-        fi.stop()
+    switches = [(name, "set_query_rounding", {"on": on})
+                for name, on in ((FLASHINFER_SM90, False), (SAME_INPUTS, True))]
+    _switched_checks(fi, FLASHINFER_SM90, switches, prompts, traces, summary, logprobs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -475,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "bounds": {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}, "bound_factor": BOUND_FACTOR, "most": MOST,
+        "bounds": module_bounds(), "bound_factor": BOUND_FACTOR, "most": MOST,
         "query_gain": ew.QUERY_GAIN, "faults": ew.FAULTS, "check_requests": args.check_requests,
         "check_steps": args.check_steps, "check_context": list(CHECK_CONTEXT), "layers": args.layers, "heads": {},
     }
@@ -555,9 +557,10 @@ def _verdicts(summary: dict, logprobs: dict) -> bool:
 
 def verdict_lines(report: dict) -> dict:
     """The short form of the report: per heads, each comparison's max / p50 difference and its verdict."""
-    out: dict[str, Any] = {"bounds": {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}}
+    out: dict[str, Any] = {"bounds": module_bounds()}
     for heads, s in report["heads"].items():
-        lines = {name: {"max": round(c["max"], 4), "p50": round(c["p50"], 4)} for name, c in s.get("compare", {}).items()}
+        lines = {name: {"max": round(c["max"], 4), "p50": round(c["p50"], 4)}
+                 for name, c in s.get("compare", {}).items()}
         for name, v in s.get("verdicts", {}).items():
             lines.setdefault(name, {}).update(passes=v["passes"], over_bound=round(v["over_bound"], 3))
         out[str(heads)] = {"compare": lines, "measured_bounds": s.get("measured_bounds")}
@@ -587,7 +590,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {heads} | {requests} | {mix} | {a['decode_step_us']:.0f} / {b['decode_step_us']:.0f} | "
             f"{a['gpu_us']:.0f} / {b['gpu_us']:.0f} | {a['attention_us']:.0f}{frac(a)} / {b['attention_us']:.0f}"
-            f"{frac(b)} | {a['attention_us'] / b['attention_us']:.2f}x | {a['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+            f"{frac(b)} | {a['attention_us'] / b['attention_us']:.2f}x | "
+            f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
             f"{b['gpu_us'] / a['gpu_us']:.2f}x | {pure} |")
     return "\n".join(lines)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -30,6 +29,10 @@ VOCAB = 4096
 # vllm.v1.attention.backends.flashinfer, which imports flashinfer) unless this is 0; the device has no FlashInfer
 # (an H100 engine stopped there, 2026-12-07). Greedy decoding never uses FlashInfer's top-k / top-p sampler.
 ENGINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+# Every engine of a run on the same scheduler limits (the timed pair compares like with like): the largest timed
+# batch, vLLM's default chunk, and room for the ragged mix's 8,000-token prompts plus their generated tokens.
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 128, 8192, 8448
 
 # The seeded weights draw every matrix N(0, 1/fan_in), which gives attention logits of std ~1 (the query's and the
 # key's 192 rope + nope dims have unit rms; the softmax scale is 1/sqrt(192)) and a largest probability ~0.01 of 2048:
@@ -93,9 +96,8 @@ def prefill_path(force_mqa: bool) -> str:
     return "vLLM's default: prefills of at most index_topk tokens as dense MHA (FlashAttention), longer ones sparse"
 
 
-def engine_kwargs(model: str, backend: str, *, force_mqa: bool, eager: bool = False, max_num_seqs: int = 128,
-                  max_num_batched_tokens: int = 8192, max_model_len: int = 8448, capture_sizes: list[int] | None = None,
-                  gpu_memory_utilization: float = 0.3, trace_replay: bool = True) -> dict[str, Any]:
+def engine_kwargs(model: str, backend: str, *, force_mqa: bool, eager: bool = False,
+                  capture_sizes: list[int] | None = None, gpu_memory_utilization: float = 0.3) -> dict[str, Any]:
     """LLM(...)'s arguments: the seeded weights, no tokenizer, an fp8 cache, `backend`, vLLM's own CUDA graphs
     (breakable, as vLLM sets them for DeepSeek-V3.2) at `capture_sizes` (None: vLLM's), no prefix caching (every run
     prefills), trace replay (vLLM's forced-token decoding, Model Runner V2) and the log-probability recorder.
@@ -107,10 +109,10 @@ def engine_kwargs(model: str, backend: str, *, force_mqa: bool, eager: bool = Fa
     if force_mqa:
         attention["sparse_mla_force_mqa"] = True
     kwargs = dict(model=model, load_format="dsa_seeded", skip_tokenizer_init=True, seed=0, dtype="bfloat16",
-                  kv_cache_dtype="fp8", attention_config=attention, max_model_len=max_model_len,
-                  enable_prefix_caching=False, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-                  enforce_eager=eager, enable_trace_replay=trace_replay, logits_processors=[RecordLogits])
+                  kv_cache_dtype="fp8", attention_config=attention, max_model_len=MAX_MODEL_LEN,
+                  enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
+                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, gpu_memory_utilization=gpu_memory_utilization,
+                  enforce_eager=eager, enable_trace_replay=True, logits_processors=[RecordLogits])
     if capture_sizes is not None and not eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(capture_sizes)}
     return kwargs
@@ -356,12 +358,10 @@ class LogitProbe:
         def probed(self, q, kv_cache, topk_indices, seq_lens, *, layer, block_size, is_decode):
             import torch
 
-            if isinstance(q, tuple):
-                q = torch.cat(q, dim=-1)
-
-            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            whole = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
+            capturing = whole.is_cuda and torch.cuda.is_current_stream_capturing()
             if len(cls.samples) < cls.LIMIT and not capturing:
-                cls._sample(self, q, kv_cache, topk_indices, seq_lens, layer, block_size)
+                cls._sample(self, whole, kv_cache, topk_indices, seq_lens, layer, block_size)
             return kernel(self, q, kv_cache, topk_indices, seq_lens, layer=layer, block_size=block_size,
                           is_decode=is_decode)
 
@@ -416,7 +416,8 @@ class QueryRounding:
                 scale = float(layer._q_scale_float)
 
                 def e4m3(x):
-                    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().mul(scale).to(x.dtype)
+                    values = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                    return values.float().mul(scale).to(x.dtype)
 
                 q = tuple(e4m3(part) for part in q) if isinstance(q, tuple) else e4m3(q)
             return forward_mqa(self, q, kv_cache, attn_metadata, layer)
@@ -520,9 +521,7 @@ class EngineServer:
         self.info_["gpu"] = torch.cuda.get_device_name()
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs(spec["model"], spec["backend"], force_mqa=spec["force_mqa"],
-                                       eager=spec["eager"], max_num_seqs=spec["max_num_seqs"],
-                                       max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                       capture_sizes=spec.get("capture_sizes"),
+                                       eager=spec["eager"], capture_sizes=spec.get("capture_sizes"),
                                        gpu_memory_utilization=spec["gpu_memory_utilization"]))
         self.info_["engine_start_s"] = time.perf_counter() - start
         config = self.llm.llm_engine.vllm_config
@@ -665,6 +664,11 @@ class EngineServer:
         gc.collect()
 
 
+def _failure(error: BaseException) -> dict[str, str]:
+    """What the parent's report keeps of an exception: its type and message, and the traceback's end."""
+    return {"error": f"{type(error).__name__}: {error}"[:4000], "traceback": traceback.format_exc()[-6000:]}
+
+
 def serve(conn: Any, spec: dict[str, Any]) -> None:
     """The engine process: output to spec["log"], the engine built, then (command, kwargs) pairs answered with
     ("ok", result) or ("error", {"error", "traceback"}) until "stop"."""
@@ -677,7 +681,7 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
     try:
         server = EngineServer(spec)
     except BaseException as e:  # noqa: BLE001  (the exact failure goes back to the parent's report)
-        conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:4000], "traceback": traceback.format_exc()[-6000:]}))
+        conn.send(("error", _failure(e)))
         return
     conn.send(("ok", server.info()))
     while True:
@@ -687,12 +691,12 @@ def serve(conn: Any, spec: dict[str, Any]) -> None:
         try:
             conn.send(("ok", getattr(server, command)(**kwargs)))
         except BaseException as e:  # noqa: BLE001
-            conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:4000],
-                                 "traceback": traceback.format_exc()[-6000:]}))
+            conn.send(("error", _failure(e)))
     server.close()
     conn.send(("ok", "stopped"))
 
 
-__all__ = ["ATTENTION_CLASSES", "ENGINE_ENV", "FAULTS", "FLASHINFER_SM90", "FLASHMLA", "KERNEL_CLASSES", "OURS",
+__all__ = ["ATTENTION_CLASSES", "ENGINE_ENV", "FAULTS", "FLASHINFER_SM90", "FLASHMLA", "KERNEL_CLASSES",
+           "MAX_MODEL_LEN", "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "OURS",
            "QUERY_GAIN", "RecordLogits", "engine_kwargs", "flash_attention_present", "greedy", "kernel_class",
            "prefill_path", "register_seeded_loader", "seeded_value", "serve", "token_prompts"]

@@ -116,7 +116,8 @@ def test_coverage(heads, run):
     reference = checks[be.FLASHMLA]["coverage"]["FlashMLASparseImpl.forward_mqa"]
     assert reference["calls"] > 0 and reference["rows"] >= 64 * 64 * be.LAYERS
     impls = heads["engines"][be.FLASHMLA]["attention_impls"]
-    assert [(i["impl"].rsplit(".", 1)[-1], i["kv_cache_dtype"]) for i in impls] == [("FlashMLASparseImpl", "fp8_ds_mla")]
+    assert [(i["impl"].rsplit(".", 1)[-1], i["kv_cache_dtype"]) for i in impls] == \
+        [("FlashMLASparseImpl", "fp8_ds_mla")]
     probe = ours["probe"]
     assert probe["rows"] > 0 and 2.5 <= probe["logit_std_median"] <= 5.0, probe
 
