@@ -26,8 +26,8 @@ OURS, FLASHMLA, FLASHINFER_SM90 = "FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE", "F
 VOCAB = 4096
 
 # vLLM's Model Runner V2 sampler asks FlashInfer whether it can sample (flashinfer_sampler_supported imports
-# vllm.v1.attention.backends.flashinfer, which imports flashinfer) unless this is 0; the device has no FlashInfer
-# (an H100 engine stopped there, 2026-12-07). Greedy decoding never uses FlashInfer's top-k / top-p sampler.
+# vllm.v1.attention.backends.flashinfer, which imports flashinfer) unless this is 0, and the device has no FlashInfer.
+# Greedy decoding never uses FlashInfer's top-k / top-p sampler.
 ENGINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 # Every engine of a run on the same scheduler limits (the timed pair compares like with like): the largest timed
