@@ -371,14 +371,10 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
 
 
 @pytest.mark.skipif(glcommon.gl is None, reason=glcommon.gluon_unavailable_reason() or "Gluon unavailable")
-@pytest.mark.parametrize("scheduled", [False, True], ids=["static", "scheduled"])
 @pytest.mark.parametrize("which", ["gluon", "seesaw", "few", "few-nvfp4", "few-32"])
-def test_launchers_pass_every_kernel_argument(which: str, scheduled: bool) -> None:
+def test_launchers_pass_every_kernel_argument(which: str) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
-    constexprs by name), on the grid (head blocks, splits, rows), or a scheduled launch's (head blocks, items, 1) with
-    its item table and SCHEDULED. A GPU is needed for everything else."""
-    from vllm_kimi_dsa.kernels.common import schedule as ksched
-    from vllm_kimi_dsa.planning.schedule import schedule_shape
+    constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
     from vllm_kimi_dsa.formats import LATENT_DIM
     from vllm_kimi_dsa.kernels import gluon_few_heads
     from vllm_kimi_dsa.kernels.common import make_workspace
@@ -409,21 +405,16 @@ def test_launchers_pass_every_kernel_argument(which: str, scheduled: bool) -> No
     else:
         params = nvfp4_params() if which == "few-nvfp4" else FewHeadsParams()
         fn, mod = gluon_few_heads.few_heads_kernel, gluon_few_heads
-    shape = schedule_shape(rows, 128, heads, params.config(heads), 4)
-    ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config(),
-                        schedules=(shape,) if scheduled else ())
-    tabs = ksched.tables(ws.sched, shape) if scheduled else None
+    ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config())
     real = getattr(mod, fn.__name__)
     setattr(mod, fn.__name__, FakeKernel(fn))
     try:
-        mod.launch(q, kv, slots, counts, out, None, 0.1, 1.0, ws, 1, params, 0, tabs)
+        mod.launch(q, kv, slots, counts, out, None, 0.1, 1.0, ws, 1, params)
     finally:
         setattr(mod, fn.__name__, real)
     names = list(fn.arg_names)
     consts = set(seen["kwargs"]) - {"num_warps"}  # num_warps is a launch option, not a parameter
-    assert seen["kwargs"]["SCHEDULED"] is scheduled
-    assert seen["args"][names.index("items_ptr")] is (tabs.items if scheduled else counts)
-    assert seen["grid"] == ((1 if heads <= 16 else 2), shape.items if scheduled else 1, 1 if scheduled else rows)
+    assert seen["grid"] == ((1 if heads <= 16 else 2), 1, rows)
     assert len(seen["args"]) + len(consts) == len(names), (len(seen["args"]), sorted(consts), names)
     assert consts == set(names[len(seen["args"]):])
 
