@@ -40,6 +40,35 @@ def test_triton_kernel_default_configs_compile_for_sm90() -> None:
     assert "QGMMA=" in rows["fp8-H128"], "the 64-head fp8 tile must run Q.K on fp8 wgmma"
 
 
+def test_every_served_form_compiles_for_sm90() -> None:
+    """Every form the Hopper dispatcher launches (tests/served_forms.py, enumerated from TritonDecode: heads 1..128,
+    both cache formats, the LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1, every
+    plan of 1..512 rows) compiles for sm_90a under the installed Triton, specialized as Triton's JIT specializes it
+    at that launch. The hand-written signatures below keep every int a runtime argument; the JIT makes an int of 1
+    a constant (num_splits of a whole-row launch), and such a form can fail where theirs compile."""
+    shards = max(1, min(4, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "served_forms.py"), "--compile", "--shard",
+                               f"{i}/{shards}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_compile_env(), cwd=ROOT) for i in range(shards)]
+    lines, failed = [], []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        shard = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert shard and "forms" in shard[-1], err[-2000:]
+        bad = [f"{d['kernel']} {d['first']}: {d['compiled']}" for d in shard[:-1] if d["compiled"] != "ok"]
+        assert p.returncode == (1 if bad else 0), err[-2000:]
+        lines += shard[:-1]
+        failed += bad
+    assert not failed, "\n".join(failed)
+    assert len(lines) == shard[-1]["forms"]  # the shards together compiled every form
+    kernels = {d["kernel"] for d in lines}
+    gluon = {"gluon_decode_kernel", "seesaw_decode_kernel", "few_heads_kernel"} if glcommon.gl is not None and \
+        glcommon.triton_version_supported() else set()
+    assert kernels == {"decode_kernel", "combine_kernel"} | gluon, kernels
+    # the specialization a hand signature never makes: a whole-row launch's num_splits of 1 as a constant
+    assert any("('constexpr', 1)" in d["specialization"] for d in lines if d["kernel"] == "decode_kernel")
+
+
 _GLUON_COMPILE = """
 import json, sys
 sys.path.insert(0, "benchmarks")
