@@ -425,3 +425,32 @@ def test_verified_variants() -> None:
     assert variants.VERIFIED_TRITON == dict.fromkeys(
         ("gluon64", "seesaw", "seesaw-pv-fp8", "seesaw-nvfp4", "few-fp8", "few-fp8-multi", "few-nvfp4",
          "few-nvfp4-multi", "pv_early"), ("3.6", "3.8")) | {"few-fp8-h8": ()}
+
+
+@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 16), ("nvfp4_ds_mla", 24)])
+def test_plain_kernel_says_why_naming_the_triton_version(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs on CPU, as on a Hopper GPU (Gluon available): where the bound Gluon variant was never GPU-tested on this
+    Triton, TritonDecode binds the plain kernel and plain_reason names the variant and the installed Triton version
+    (the startup line carries it); VLLM_KIMI_DSA_GLUON=0 and a device without Gluon give their own reasons; a
+    verified variant binds Gluon with no reason."""
+    import triton
+
+    from vllm_kimi_dsa import vllm_backend
+
+    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
+    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
+    for variant in variants.VERIFIED_TRITON:
+        monkeypatch.setitem(variants.VERIFIED_TRITON, variant, ("0.1",))
+    k = TritonDecode(_setup(fmt, heads))
+    assert k.gluon is None and all(p == (None, None) for p in k.plan_params.values())
+    assert f"is not verified on Triton {triton.__version__}" in k.plain_reason and "0.1" in k.plain_reason
+    assert variants.hopper_kernel(fmt, heads) in k.plain_reason
+    step = type("Step", (), {"kernels": {4: "triton"}, "core": type("Core", (), {"decode_kernel": lambda s, r: k})()})
+    assert f"not Gluon: {k.plain_reason}" in vllm_backend._kernel_family(step)
+    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
+    assert TritonDecode(_setup(fmt, heads)).plain_reason == "VLLM_KIMI_DSA_GLUON=0"
+    monkeypatch.undo()
+    if not HOPPER:
+        assert "not a CUDA device" in TritonDecode(_setup(fmt, heads)).plain_reason
+    elif variants.verified(variants.hopper_kernel(fmt, heads)):
+        assert TritonDecode(_setup(fmt, heads)).plain_reason == ""

@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import triton
 
 from vllm_kimi_dsa import envs
-from vllm_kimi_dsa.backends.hopper.variants import GluonChoice, gluon_choice, seesaw_takes
+from vllm_kimi_dsa.backends.hopper.variants import VERIFIED_TRITON, GluonChoice, gluon_choice, seesaw_takes
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.heads import FEW_HEADS_MAX, heads_refusal
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels.common import check_operands, num_sms, run_plan, shared_workspace
-from vllm_kimi_dsa.kernels.common.gluon import gluon_available
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason
 from vllm_kimi_dsa.logs import init_logger
 from vllm_kimi_dsa.planning import choose_lead, choose_plan, default_config, plan_cost, plan_table
 from vllm_kimi_dsa.widths import check_width
@@ -34,7 +35,8 @@ class TritonDecode:
     config: the plan Config of the batch's plans; gluon: the Gluon params bound (None: the plain kernel);
     gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; nvfp4 17..32 heads and
     > 32 heads fp8: the seesaw kernel); plan_params[rows, width]: (the first launch's params, the split rows'
-    launch's); plan_leads[rows, width]: the one-launch plan's lead (choose_lead), 0 if none.
+    launch's); plan_leads[rows, width]: the one-launch plan's lead (choose_lead), 0 if none. plain_reason: why the
+    plain kernel runs where a Gluon kernel exists for (fmt, heads) ('' when Gluon is bound): the startup line says it.
     """
 
     name: ClassVar[str] = "triton"
@@ -43,7 +45,7 @@ class TritonDecode:
         self.setup = setup
         self.fmt = normalize_format(setup.fmt)
         _check_setup(setup)
-        choice = _available_choice(self.fmt, setup)
+        choice, self.plain_reason = _available_choice(self.fmt, setup)
         self.gluon: Any = choice.params if choice else None
         self.gluon_large: tuple[Any, ...] = choice.large if choice else ()
         self.config = choice.config if choice else default_config(setup.heads, self.fmt)
@@ -149,15 +151,21 @@ def _check_setup(setup: DecodeSetup) -> None:
         check_width(w, "setup.widths")
 
 
-def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
+def _available_choice(fmt: str, setup: DecodeSetup) -> tuple[GluonChoice | None, str]:
     """gluon_choice's kernels where this device runs Gluon and (unless VLLM_KIMI_DSA_GLUON=1) they were verified on
-    this Triton; None: the plain kernel."""
+    this Triton, and ''; else None (the plain kernel) and why, naming the switch, the device or the Triton version."""
     want = envs.gluon_choice()
     fp8_pv = envs.fp8_pv()
     choice = gluon_choice(fmt, setup.heads, want, fp8_pv)
     if fp8_pv and want != "0" and fmt == "fp8" and setup.heads > FEW_HEADS_MAX and not getattr(choice and choice.params, "pv_fp8", False):
         logger.warning("%s=1: P.V on e4m3 is not verified on this Triton, the default kernels run (%s=1 forces it)",
                        envs.FP8_PV, envs.GLUON)
-    if choice is None or not gluon_available(setup.device) or not (want == "1" or choice.verified):
-        return None
-    return choice
+    if choice is None:
+        return None, f"{envs.GLUON}=0"
+    if not gluon_available(setup.device):
+        return None, gluon_unavailable_reason(setup.device)
+    if not (want == "1" or choice.verified):
+        return None, (f"the Gluon kernel {choice.variant} is not verified on Triton {triton.__version__} "
+                      f"(GPU-tested on {', '.join(VERIFIED_TRITON[choice.variant]) or 'none yet'}; "
+                      f"{envs.GLUON}=1 forces it)")
+    return choice, ""
