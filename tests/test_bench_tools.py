@@ -1,8 +1,9 @@
 """The suite (vllm_kimi_dsa.bench), benchmarks/ and tools/: the suite's metrics, data and plain-torch baseline on a
-CPU, the plots and README table from a synthetic bench_suite.json, the peer's scale mapping, the device runner's steps (tools/device_run.sh, dry run), and
-the developer benchmarks' set-up.
+CPU, the plots and README table from a synthetic bench_suite.json, the peer's scale mapping, the device runner's
+steps (tools/device_run.sh: dry, and a real run of tiny steps for its time limits), and the developer benchmarks'
+set-up.
 
-CPU only, about 10 s (most of it matplotlib and one 3-row K=2048 reference); nothing here times anything.
+CPU only, about 15 s (most of it matplotlib, one 3-row K=2048 reference, and the runner's torch import twice).
 """
 
 from __future__ import annotations
@@ -183,25 +184,40 @@ def test_plot_rejects_other_json(tmp_path):
 # ---------------------------------------------------------------- tools/device_run.sh
 
 
-def _device_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+# the runner calls python3 (tools/gpu_gate.py, py steps): this Python's
+RUNNER_PATH = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+
+
+def _device_run(tmp_path: Path, *args: str, dry: bool = True) -> subprocess.CompletedProcess:
     if shutil.which("bash") is None:
         pytest.skip("no bash")
+    env = {"PATH": RUNNER_PATH, "OUT": str(tmp_path), **({"DRY": "1"} if dry else {})}
     return subprocess.run(["bash", str(ROOT / "tools" / "device_run.sh"), *args], capture_output=True, text=True,
-                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "DRY": "1", "OUT": str(tmp_path)}, timeout=60)
+                          cwd=ROOT, env=env, timeout=60)
 
 
 def test_device_run_steps(tmp_path: Path) -> None:
-    """The runner's steps, dry: each "+"-joined step becomes one command with its arguments; the default test list,
-    the suite without a carried peer, racecheck's tiny default case, ncu of profile_gluon."""
+    """The runner's steps, dry: each "+"-joined step becomes one command with its arguments; the GPU list's parts
+    (tools/gpu_gate.py), a pytest and a record each, the suite without a carried peer, racecheck's tiny default case,
+    ncu of profile_gluon."""
+    import gpu_gate
+
     r = _device_run(tmp_path, "tests", "+", "tests", "tests/test_gluon_seesaw.py", "-k", "quick", "+", "suite",
                     "--quick", "+", "memcheck", "+", "racecheck", "+", "racecheck", "tools/racecheck_gluon.py",
-                    "seesaw", "+", "ncu", "--kernel", "few", "+", "py", "-m", "vllm_kimi_dsa", "tune", "--out", "t.json")
+                    "seesaw", "+", "ncu", "--kernel", "few", "+", "py", "-m", "vllm_kimi_dsa", "tune", "--out", "t.json",
+                    "+", "tests", "part=gluon")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == 8, lines
-    for f in re.findall(r"tests/\S+\.py", lines[0]):
-        assert (ROOT / f).is_file(), f  # every default GPU test file exists
-    assert "tests/test_gluon_seesaw.py -k quick" in lines[1] and "1_junit" in lines[0] and "2_junit" in lines[1]
+    parts = 2 * len(gpu_gate.PARTS)
+    assert len(lines) == parts + 9, lines
+    for i, (part, files) in enumerate(gpu_gate.PARTS.items()):
+        test, record = lines[2 * i: 2 * i + 2]
+        assert test.endswith(f"--junitxml={tmp_path}/1-{part}_junit.xml {' '.join(files)}"), test
+        assert record == (f"python3 tools/gpu_gate.py record --out {tmp_path} --junit {tmp_path}/1-{part}_junit.xml "
+                          f"--part {part} --rc $?")
+    assert lines[-2].endswith(" ".join(gpu_gate.PARTS["gluon"])) and "--part gluon" in lines[-1]
+    lines = lines[parts - 1:]  # the steps after the parts, as numbered from here on
+    assert "tests/test_gluon_seesaw.py -k quick" in lines[1] and "2_junit" in lines[1]
     peer = "" if (ROOT / ".carry" / "fi" / "fi_site.tar.xz").is_file() else " --no-peer"  # a carried fa3 peer
     assert lines[2].endswith(f"-m vllm_kimi_dsa bench --out {tmp_path}{peer} --quick")
     assert "--tool memcheck" in lines[3] and lines[3].endswith("tools/sanitize_case.py")
@@ -227,6 +243,31 @@ def test_device_run_step_caps(tmp_path: Path) -> None:
     assert not out.exists()
     r = _device_run(tmp_path, "tests@soon")
     assert r.returncode == 2 and "the cap must be whole seconds" in r.stdout
+    r = _device_run(tmp_path, "tests", "part=few", "+", "py", "x.py")
+    assert r.returncode == 2 and "no such part (smoke triton" in r.stdout and "x.py" not in r.stdout
+    r = _device_run(tmp_path, "tests", "part=smoke", "-x")
+    assert r.returncode == 2 and "no more arguments" in r.stdout
+
+
+def test_device_run_time_limits(tmp_path: Path) -> None:
+    """A real run of tiny steps (no GPU, no nvidia-smi needed): a step capped under 15 s runs to its cap and shows
+    rc 124, a cap past the budget gets the budget's rest, the summary names each; a step reached with under 15 s of
+    the budget left is skipped, and that fails the run."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import sys, time\nprint('start', flush=True)\ntime.sleep(float(sys.argv[1]))\n"
+                      "print('slept', sys.argv[1])\n")
+    out = tmp_path / "out"
+    r = _device_run(out, "--budget", "40", "py@1", str(script), "5", "+", "py@600", str(script), "0", dry=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("== ") and "torch" in summary[0], summary
+    assert re.fullmatch(r"== 1_py rc=124 at \+\d+s \(limit 1s\): start", summary[1]), summary
+    limit = int(re.fullmatch(r"== 2_py rc=0 at \+\d+s \(limit (\d+)s\): slept 0", summary[2]).group(1))
+    assert 15 <= limit <= 40, summary
+    assert (out / "1_py.log").read_text().strip() == "start"
+    out = tmp_path / "short"
+    r = _device_run(out, "--budget", "14", "py", str(script), "0", dry=False)
+    assert r.returncode == 1 and re.search(r"^== 1_py skipped: \d+s of the budget left$", r.stdout, re.M), r.stdout
 
 
 def test_device_run_usage_and_bad_step(tmp_path: Path) -> None:

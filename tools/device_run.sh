@@ -3,8 +3,11 @@
 # one device call (the `run` tool: repo root, torch + Triton 3.6, no vLLM / FlashInfer; what lands in $OUT comes back).
 #   bash tools/device_run.sh [--t38] [--vllm] [--budget S] STEP [ARGS...] [+ STEP [ARGS...]]...
 # Steps (each under `timeout` with what is left of the budget, or STEP@S's S seconds when fewer: a hang, e.g. an
-# mbarrier phase bug, shows as rc 124; `tests@240 ...` keeps what is left after 240 s for the steps after it):
-#   tests [PYTEST ARGS]        pytest -q -rs of ARGS (default: the GPU test files, $GPU_TESTS)
+# mbarrier phase bug, shows as rc 124; `tests@240 ...` keeps what is left after 240 s for the steps after it; a step
+# reached with under 15 s of the budget left is skipped, and a skipped step fails the run):
+#   tests [PYTEST ARGS]        pytest -q -rs of ARGS; no ARGS: each part of the GPU test list in turn, part=NAME: that
+#                              part (tools/gpu_gate.py's PARTS: smoke, triton, gluon, few-heads), each part its own
+#                              pytest and record, $OUT/gpu_record-PART-*.json (commit it into tests/gpu_records/)
 #   suite [BENCH ARGS]         python -m vllm_kimi_dsa bench --out $OUT; the fa3 peer from .carry/fi when carried
 #                              (/work/shared/device/flashinfer-sm90/prepare.sh .carry/fi), else --no-peer
 #   memcheck [SCRIPT] [ARGS]   compute-sanitizer memcheck of tools/sanitize_case.py ARGS (or of SCRIPT.py ARGS)
@@ -23,12 +26,9 @@
 # --fi: FlashInfer from .carry/fi unpacked, named by $KIMI_DSA_FI_SITE (not on PYTHONPATH): bench_engine.py's
 # FLASHINFER_MLA_SPARSE_SM90 engine puts it on its own path.
 # --budget S: seconds for all steps (default 560). $OUT gets summary.txt and one log a step (N_STEP.log); past 8 files
-# (what the tool returns) all but summary.txt and bench_suite.json go into logs.tgz. DRY=1 prints the steps only.
+# (what the tool returns) all but summary.txt, bench_suite.json and the GPU records go into logs.tgz. DRY=1 prints
+# the steps only.
 set -u -o pipefail
-GPU_TESTS=${GPU_TESTS:-"tests/test_convert.py tests/test_triton_decode.py tests/test_gluon_decode.py
-  tests/test_gluon_seesaw.py tests/test_gluon_few_heads.py tests/test_gluon_partials.py tests/test_gluon_selection.py
-  tests/test_lead_split.py tests/test_core.py tests/test_dcp.py tests/test_graphs.py tests/test_bad_input.py
-  tests/test_serving.py"}
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/device_out}
 BUDGET=560
@@ -111,28 +111,61 @@ done
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-[ -n "${DRY:-}" ] || say "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1);" \
-  "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1)"
+gpu_name() {
+  if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 |
+    head -1; else echo "no nvidia-smi"; fi
+}
+[ -n "${DRY:-}" ] || say "== $(gpu_name);" \
+  "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tail -1)"
 
-# run N STEP CMD...: CMD under timeout (what is left of the budget), its output in $OUT/N_STEP.log
+# run N STEP CMD...: CMD under timeout for what is left of the budget, or of its step's cap when less (the 15 s floor
+# is the budget's: a step capped at 10 s runs 10 s), its output in $OUT/N_STEP.log
 run() {
-  local log="$OUT/$1_$2.log" left=$(( BUDGET - $(date +%s) + T0 )); shift 2
-  [ -z "${CAP:-}" ] || [ "$CAP" -ge "$left" ] || left=$CAP
+  local log="$OUT/$1_$2.log" now left limit; shift 2
+  now=$(date +%s); left=$(( BUDGET - now + T0 )); limit=$left
+  [ -z "${CAP_END:-}" ] || [ $(( CAP_END - now )) -ge "$left" ] || limit=$(( CAP_END - now ))
   if [ -n "${DRY:-}" ]; then echo "${CAP:+(at most ${CAP}s) }$*"; return 0; fi
-  [ "$left" -ge 15 ] || { say "== $(basename "$log" .log) skipped: ${left}s left"; return 0; }
-  timeout -k 10 "$left" "$@" > "$log" 2>&1
+  [ "$left" -ge 15 ] || { say "== $(basename "$log" .log) skipped: ${left}s of the budget left"; return 1; }
+  [ "$limit" -ge 1 ] || { say "== $(basename "$log" .log) skipped: its step's ${CAP}s are spent"; return 1; }
+  timeout -k 10 "$limit" "$@" > "$log" 2>&1
   local rc=$?
-  say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
+  say "== $(basename "$log" .log) rc=$rc at +$(( $(date +%s) - T0 ))s (limit ${limit}s):" \
+    "$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
   return $rc
+}
+pytest_run() {  # N ARGS...: the tests step's pytest, its junit xml in $OUT/N_junit.xml
+  local n=$1; shift
+  run "$n" tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/${n}_junit.xml" "$@"
+}
+# gpu_part N PART: pytest of one part of the GPU test list (tools/gpu_gate.py), then the record of that run
+gpu_part() {
+  local n=$1 part=$2 files rc out
+  files=$(python3 tools/gpu_gate.py files "$part" 2>/dev/null) ||
+    { echo "tests part=$part: no such part ($(python3 tools/gpu_gate.py parts | paste -sd ' '))"; exit 2; }
+  pytest_run "$n" $files
+  rc=$?
+  local record=(python3 tools/gpu_gate.py record --out "$OUT" --junit "$OUT/${n}_junit.xml" --part "$part")
+  if [ -n "${DRY:-}" ]; then echo "${record[*]} --rc \$?"; return 0; fi
+  [ -f "$OUT/${n}_tests.log" ] || return $rc  # skipped: nothing ran, nothing to record
+  out=$("${record[@]}" --rc $rc 2>&1); rc=$?
+  say "== ${n}_record rc=$rc: $(echo "$out" | tail -1)"
 }
 step() {  # N STEP[@SECONDS] ARGS...
   local n=$1 s=$2; shift 2
-  CAP=""
+  CAP=""; CAP_END=""
   case $s in *@*) CAP=${s#*@}; s=${s%@*}
-    [[ $CAP =~ ^[0-9]+$ ]] || { echo "step $s@$CAP: the cap must be whole seconds"; exit 2; };; esac
+    [[ $CAP =~ ^[0-9]+$ ]] || { echo "step $s@$CAP: the cap must be whole seconds"; exit 2; }
+    CAP_END=$(( $(date +%s) + CAP ));; esac
   case $s in
-    tests) [ $# -gt 0 ] || set -- $GPU_TESTS
-           run "$n" tests python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/${n}_junit.xml" "$@";;
+    tests) if [ $# -gt 0 ] && [[ $1 != part=* ]]; then
+             pytest_run "$n" "$@"
+           else  # the GPU list's parts: a record stands for a whole part, so nothing is added to its pytest
+             [ $# -le 1 ] || { echo "tests $1 takes no more arguments (a record stands for the whole part)"; exit 2; }
+             local part parts=${1:-}
+             parts=${parts#part=}
+             [ -n "$parts" ] || parts=$(python3 tools/gpu_gate.py parts) || exit 2
+             for part in $parts; do gpu_part "$n-$part" "$part"; done
+           fi;;
     suite) local peer=--no-peer; peer_env && peer=
            run "$n" suite python3 -m vllm_kimi_dsa bench --out "$OUT" $peer "$@";;
     memcheck|racecheck)
@@ -172,9 +205,10 @@ done
 [ -n "${DRY:-}" ] && exit 0
 files=$(cd "$OUT" && find . -type f | wc -l)
 if [ "$files" -gt 8 ]; then
-  (cd "$OUT" && tar czf /tmp/device_logs.tgz --exclude=./summary.txt --exclude=./bench_suite.json . &&
-    find . -type f ! -name summary.txt ! -name bench_suite.json -delete && find . -mindepth 1 -type d -empty -delete &&
+  (cd "$OUT" && tar czf /tmp/device_logs.tgz --exclude=./summary.txt --exclude=./bench_suite.json \
+    --exclude='./gpu_record-*.json' . && find . -type f ! -name summary.txt ! -name bench_suite.json \
+    ! -name 'gpu_record-*.json' -delete && find . -mindepth 1 -type d -empty -delete &&
     mv /tmp/device_logs.tgz logs.tgz)
 fi
 say "== total $(( $(date +%s) - T0 ))s; in \$OUT: $(cd "$OUT" && find . -type f | sed 's#^\./##' | tr '\n' ' ')"
-! grep -qE "rc=[1-9]" "$OUT/summary.txt"
+! grep -qE "rc=[1-9]|^== [^ ]+ skipped:" "$OUT/summary.txt"
