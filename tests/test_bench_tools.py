@@ -212,7 +212,8 @@ def test_device_run_steps(tmp_path: Path) -> None:
     assert len(lines) == parts + 9, lines
     for i, (part, files) in enumerate(gpu_gate.PARTS.items()):
         test, record = lines[2 * i: 2 * i + 2]
-        assert test.endswith(f"--junitxml={tmp_path}/1-{part}_junit.xml {' '.join(files)}"), test
+        options = "".join(f" {o}" for o in gpu_gate.PART_OPTIONS.get(part, ()))
+        assert test.endswith(f"--junitxml={tmp_path}/1-{part}_junit.xml{options} {' '.join(files)}"), test
         assert record == (f"python3 tools/gpu_gate.py record --out {tmp_path} --junit {tmp_path}/1-{part}_junit.xml "
                           f"--part {part} --rc $?")
     assert lines[-2].endswith(" ".join(gpu_gate.PARTS["gluon"])) and "--part gluon" in lines[-1]

@@ -131,6 +131,20 @@ def test_changes_outside_the_gpu_path_keep_the_records(tree: Path) -> None:
     assert gate.check(root=tree) == []
 
 
+def test_an_edited_gpu_test_file_asks_for_its_part_alone(tree: Path) -> None:
+    """A GPU test file's hash counts for its own part's records: after an edit only that part is unrun (its record
+    of the old text, a failed one too, no longer counts either way), and a new record of that part makes it green."""
+    _green(tree)
+    _record(tree, "smoke", failed=1)
+    assert len(gate.check(root=tree)) == 1
+    edited = gate.PARTS["smoke"][0]
+    (tree / edited).write_text((tree / edited).read_text() + "\n# edited\n")
+    problems = gate.check(root=tree)
+    assert len(problems) == 1 and edited in problems[0] and "part=smoke" in problems[0], problems
+    _record(tree, "smoke")
+    assert gate.check(root=tree) == []
+
+
 def test_a_gpu_test_file_the_checkout_lacks_fails(tree: Path) -> None:
     _green(tree)
     (tree / "tests/test_graphs.py").unlink()

@@ -139,10 +139,11 @@ pytest_run() {  # N ARGS...: the tests step's pytest, its junit xml in $OUT/N_ju
 }
 # gpu_part N PART: pytest of one part of the GPU test list (tools/gpu_gate.py), then the record of that run
 gpu_part() {
-  local n=$1 part=$2 files rc out
+  local n=$1 part=$2 files options rc out
   files=$(python3 tools/gpu_gate.py files "$part" 2>/dev/null) ||
     { echo "tests part=$part: no such part ($(python3 tools/gpu_gate.py parts | paste -sd ' '))"; exit 2; }
-  pytest_run "$n" $files
+  options=$(python3 tools/gpu_gate.py options "$part")
+  pytest_run "$n" $options $files
   rc=$?
   local record=(python3 tools/gpu_gate.py record --out "$OUT" --junit "$OUT/${n}_junit.xml" --part "$part")
   if [ -n "${DRY:-}" ]; then echo "${record[*]} --rc \$?"; return 0; fi

@@ -4,6 +4,7 @@ call (PARTS), the record a device run of one part leaves (write_record), and the
 
     python3 tools/gpu_gate.py parts                  the part names, one a line
     python3 tools/gpu_gate.py files PART             the part's test files, space-separated
+    python3 tools/gpu_gate.py options PART           the part's pytest options (PART_OPTIONS), space-separated
     python3 tools/gpu_gate.py record --out DIR --junit XML --part PART --rc N   (tools/device_run.sh, after pytest)
     python3 tools/gpu_gate.py check [--records DIR]  exit 1, saying why and what to run, unless the records cover
                                                      this checkout's GPU-path sources (tests/test_gpu_gate.py)
@@ -42,16 +43,25 @@ PARTS: dict[str, tuple[str, ...]] = {
     ),
     "few-heads": ("tests/test_gluon_few_heads.py", "tests/test_dcp.py", "tests/test_graphs.py"),
 }
+# pytest options a part runs with (recorded with it): the smoke part's tests are independent kernel forms, each
+# compiled once, so pytest-xdist spreads their compiles over the device's CPU cores
+PART_OPTIONS: dict[str, tuple[str, ...]] = {"smoke": ("-n", "8")}
 GPU_TESTS: tuple[str, ...] = tuple(f for files in PARTS.values() for f in files)
 
-# What the GPU tests run and import: the kernels, their planning and dispatch, the core around them, and the tests'
-# own helpers (every tests/*.py module a GPU test file imports; tests/test_gpu_gate.py holds this list to the imports).
-TEST_HELPERS: tuple[str, ...] = ("tests/conftest.py", "tests/decode_checks.py", "tests/dcp_cases.py")
-GPU_PATH: tuple[str, ...] = (
+# What the GPU tests run and import: the kernels, their planning and dispatch, the core and serving code around them,
+# and the tests' own helpers (every tests/*.py module a GPU test file imports; tests/test_gpu_gate.py holds this list
+# to the imports). Their hash is a record's sources_sha256; a GPU test file's own hash counts for its part's records
+# only, so an edit of one test file asks for a new run of its part alone.
+TEST_HELPERS: tuple[str, ...] = ("tests/conftest.py", "tests/decode_checks.py", "tests/dcp_cases.py",
+                                 "tests/served_forms.py")
+SOURCES: tuple[str, ...] = (
     "vllm_kimi_dsa/kernels/", "vllm_kimi_dsa/planning/", "vllm_kimi_dsa/backends/hopper/",
-    "vllm_kimi_dsa/convert.py", "vllm_kimi_dsa/core.py", "vllm_kimi_dsa/formats.py", "vllm_kimi_dsa/widths.py",
-    "vllm_kimi_dsa/envs.py", "vllm_kimi_dsa/reference.py",
-) + TEST_HELPERS + GPU_TESTS
+    "vllm_kimi_dsa/backends/registry.py", "vllm_kimi_dsa/selection/", "vllm_kimi_dsa/convert.py",
+    "vllm_kimi_dsa/core.py", "vllm_kimi_dsa/serving.py", "vllm_kimi_dsa/dcp.py", "vllm_kimi_dsa/formats.py",
+    "vllm_kimi_dsa/widths.py", "vllm_kimi_dsa/heads.py", "vllm_kimi_dsa/host_math.py", "vllm_kimi_dsa/arguments.py",
+    "vllm_kimi_dsa/envs.py", "vllm_kimi_dsa/reference.py", "vllm_kimi_dsa/synthetic.py", "vllm_kimi_dsa/vllm_glue.py",
+) + TEST_HELPERS
+GPU_PATH: tuple[str, ...] = SOURCES + GPU_TESTS
 
 # the switches that change which kernels the tests run (vllm_kimi_dsa/envs.py); --t38 shows as the Triton version
 KERNEL_SWITCHES = ("VLLM_KIMI_DSA_GLUON", "VLLM_KIMI_DSA_FP8_PV")
@@ -76,8 +86,9 @@ def source_hashes(root: Path | str = ROOT) -> dict[str, str]:
 
 
 def sources_hash(hashes: dict[str, str]) -> str:
-    """The sha256 of the sources: over `sha256sum`'s lines ("<file sha256>  <path>") of every file, sorted by path."""
-    listing = "".join(f"{digest}  {path}\n" for path, digest in sorted(hashes.items()))
+    """The sha256 of the sources, the GPU test files left out: over `sha256sum`'s lines ("<file sha256>  <path>") of
+    every other file, sorted by path."""
+    listing = "".join(f"{digest}  {path}\n" for path, digest in sorted(hashes.items()) if path not in GPU_TESTS)
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -153,6 +164,7 @@ def write_record(out_dir: Path | str, junit_xml: Path | str, test_files: list[st
         "sources_sha256": sources_hash(hashes),
         "test_files": list(test_files),
         "pytest_rc": int(pytest_rc),
+        "pytest_options": list(PART_OPTIONS.get(part, ())),
         "tests": junit_counts(junit) if junit.is_file() else None,
         "card": card if card is not None else _card(),
         "versions": versions,
@@ -211,8 +223,12 @@ def check(records_dir: Path | str | None = None, root: Path | str = ROOT) -> lis
             records[path.name] = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             problems.append(f"{path}: not a record ({exc}); remove it, records are written by the runner only")
-    matching = {name: r for name, r in records.items() if r.get("sources_sha256") == digest}
-    if not matching:
+    same = {name: r for name, r in records.items() if r.get("sources_sha256") == digest}
+    # a record counts for this checkout when its test files are the checkout's too (an edited test file needs its
+    # part run again; the record of its old text neither passes nor fails it)
+    matching = {name: r for name, r in same.items()
+                if all(r.get("files_sha256", {}).get(f) == hashes.get(f) for f in r.get("test_files", ()))}
+    if not same:
         said = f"no GPU record in {folder} is of this checkout's GPU-path sources (sha256 {digest[:12]})"
         if records:
             name, newest = max(records.items(), key=lambda item: str(item[1].get("date")))
@@ -244,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("parts")
     files = sub.add_parser("files")
     files.add_argument("part", choices=list(PARTS))
+    options = sub.add_parser("options")
+    options.add_argument("part", choices=list(PARTS))
     record = sub.add_parser("record")
     record.add_argument("--out", required=True, type=Path)
     record.add_argument("--junit", required=True, type=Path)
@@ -257,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(PARTS))
     elif args.command == "files":
         print(" ".join(PARTS[args.part]))
+    elif args.command == "options":
+        print(" ".join(PART_OPTIONS.get(args.part, ())))
     elif args.command == "record":
         path = write_record(args.out, args.junit, PARTS[args.part], args.part, pytest_rc=args.rc, card=args.card)
         made = json.loads(path.read_text())
