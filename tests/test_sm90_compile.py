@@ -40,16 +40,28 @@ def test_triton_kernel_default_configs_compile_for_sm90() -> None:
     assert "QGMMA=" in rows["fp8-H128"], "the 64-head fp8 tile must run Q.K on fp8 wgmma"
 
 
-def test_every_served_form_compiles_for_sm90() -> None:
+# Triton 3.6 (the device image's; vLLM 0.33 pins 3.8) installed beside the venv's own, as the README's test command
+# does: `pip install --no-deps --target .venv/triton-3.6 triton==3.6.0`
+TRITON_36 = Path(sys.prefix) / "triton-3.6"
+
+
+@pytest.mark.parametrize("triton_site", [None, TRITON_36], ids=["installed", "3.6"])
+def test_every_served_form_compiles_for_sm90(triton_site: Path | None) -> None:
     """Every form the Hopper dispatcher launches (tests/served_forms.py, enumerated from TritonDecode: heads 1..128,
     both cache formats, the LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1, every
-    plan of 1..512 rows) compiles for sm_90a under the installed Triton, specialized as Triton's JIT specializes it
-    at that launch. The hand-written signatures below keep every int a runtime argument; the JIT makes an int of 1
-    a constant (num_splits of a whole-row launch), and such a form can fail where theirs compile."""
+    plan of 1..512 rows) compiles for sm_90a under the installed Triton and under Triton 3.6, specialized as Triton's
+    JIT specializes it at that launch. The hand-written signatures below keep every int a runtime argument; the JIT
+    makes an int of 1 a constant (num_splits of a whole-row launch), and such a form can fail where theirs compile,
+    on one Triton and not the other."""
+    env = _compile_env()
+    if triton_site is not None:
+        if not (triton_site / "triton" / "__init__.py").is_file():
+            pytest.skip(f"no Triton 3.6 at {triton_site} (pip install --no-deps --target {triton_site} triton==3.6.0)")
+        env["PYTHONPATH"] = str(triton_site) + os.pathsep + env["PYTHONPATH"]
     shards = max(1, min(4, os.cpu_count() or 1))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "served_forms.py"), "--compile", "--shard",
                                f"{i}/{shards}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_compile_env(), cwd=ROOT) for i in range(shards)]
+                              env=env, cwd=ROOT) for i in range(shards)]
     lines, failed = [], []
     for p in procs:
         out, err = p.communicate(timeout=1800)
@@ -61,6 +73,7 @@ def test_every_served_form_compiles_for_sm90() -> None:
         failed += bad
     assert not failed, "\n".join(failed)
     assert len(lines) == shard[-1]["forms"]  # the shards together compiled every form
+    assert triton_site is None or shard[-1]["triton"].startswith("3.6"), shard[-1]
     kernels = {d["kernel"] for d in lines}
     gluon = {"gluon_decode_kernel", "seesaw_decode_kernel", "few_heads_kernel"} if glcommon.gl is not None and \
         glcommon.triton_version_supported() else set()
