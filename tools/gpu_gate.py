@@ -43,9 +43,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     ),
     "few-heads": ("tests/test_gluon_few_heads.py", "tests/test_dcp.py", "tests/test_graphs.py"),
 }
-# pytest options a part runs with (recorded with it): the smoke part's tests are independent kernel forms, each
-# compiled once, so pytest-xdist spreads their compiles over the device's CPU cores
-PART_OPTIONS: dict[str, tuple[str, ...]] = {"smoke": ("-n", "8")}
+# pytest options a part runs with (recorded with it): the GPU tests share no files, ports or process state, and most
+# of their time is Triton compiling (one CPU core a compile), so pytest-xdist spreads them over 8 of the device's 16
+# cores, 8 processes on the one GPU
+PART_OPTIONS: dict[str, tuple[str, ...]] = {part: ("-n", "8") for part in PARTS}
 GPU_TESTS: tuple[str, ...] = tuple(f for files in PARTS.values() for f in files)
 
 # What the GPU tests run and import: the kernels, their planning and dispatch, the core and serving code around them,
