@@ -67,7 +67,7 @@ GPU_PATH: tuple[str, ...] = SOURCES + GPU_TESTS
 # the switches that change which kernels the tests run (vllm_kimi_dsa/envs.py); --t38 shows as the Triton version
 KERNEL_SWITCHES = ("VLLM_KIMI_DSA_GLUON", "VLLM_KIMI_DSA_FP8_PV")
 
-RERUN = ("run the GPU tests on the device, a part a call, smoke first (`bash tools/device_run.sh tests part=NAME`, "
+RERUN = ("run the GPU tests on the device, smoke first (`bash tools/device_run.sh tests part=NAME`, "
          "NAME in " + ", ".join(PARTS) + f") and commit $OUT/{RECORD_GLOB} into {RECORDS}/ "
          "(docs/vllm-on-device.md, \"The GPU gate\")")
 
