@@ -171,3 +171,30 @@ def test_the_engine_tables_are_the_committed_run(readme):
         (line,) = [line for line in section.splitlines() if line.startswith(f"| {start}")]
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         assert cells[1:3] == [f"{report['compare'][key]['p50']:.2f}", f"{report['compare'][key]['max']:.2f}"], line
+
+
+H200_RUN = ROOT / "benchmarks" / "results" / "2026-12-07-h200-issue54"
+
+
+def _progress(log: str) -> str:
+    """pytest -q's progress characters of a log (a run cut by its time limit prints no summary line)."""
+    lines = [re.sub(r"\s*\[\s*\d+%\]$", "", line.strip()) for line in log.splitlines()]
+    return "".join(line for line in lines if line and set(line) <= set(".FEsxX"))
+
+
+def test_what_has_run_where_says_what_the_h200_logs_show(readme):
+    """The H200 rows of 2026-12-07: the GPU list on 8c5433a and 261a26a (progress counted from the logs), the engine
+    at 64 / 128 heads on both trees."""
+    section = _section(readme, "### What has run where")
+    row = [line for line in section.splitlines() if "on the tree before the issue-54 merge" in line][0]
+    runs = H200_RUN / "6-gpu-tests-8c5433a-vs-261a26a"
+    pre, head = (_progress((runs / tree / "1_tests.log").read_text()) for tree in ("pre", "head"))
+    assert f"8c5433a: {len(pre)} run, {pre.count('F')} failed" in row and pre.count("F") == 0
+    assert f"261a26a: {len(head)} run, {head.count('F')} failed" in row
+    assert "| 2026-12-07 | H200 | 2.11 / 3.6 |" in row and "2026-12-07-h200-issue54" in row
+    engine = [line for line in section.splitlines() if "timing only, 64 and 128 heads" in line][0]
+    table = (H200_RUN / "2-engine-8c5433a-heads-64-128" / "pre" / "logs" / "engine" / "engine.md").read_text()
+    ratios = [float(c) for c in re.findall(r"\| (\d\.\d\d)x \| \d\.\d\dx \| \d\.\d\dx \| yes \|", table)]
+    assert len(ratios) == 16 and f"attention {min(ratios):.2f}-{max(ratios):.2f}x" in engine
+    died = (H200_RUN / "1-engine-261a26a-heads-64-128-16" / "logs" / "engine" / "h64_ours.log").read_text()
+    assert "Assertion `idx < size()' failed" in died and "idx < size()" in engine
