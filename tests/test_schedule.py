@@ -267,6 +267,17 @@ def _ragged(rows: int, heads: int, width: int, fmt: str, seed: int):
     return q, kv, slots, counts, ss, os_
 
 
+def _poisoned_workspace(shape: psched.ScheduleShape, heads: int, width: int, cfg):
+    """A workspace for one scheduled shape with NaN partials and junk tables (torch.empty may hand out zeros on a
+    CPU): a partial the combine reads before a piece wrote it, or a table entry the planner left, shows."""
+    ws = make_workspace(DEVICE, heads=heads, max_rows=shape.rows, widths=(width,), config=cfg,
+                        plans={(shape.rows, width): (0, 1)}, schedules=(shape,))
+    ws.part_out.fill_(float("nan"))
+    ws.part_lse.fill_(float("nan"))
+    ws.sched.fill_(-7777777)
+    return ws
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows,heads,width", PLAIN_CASES)
 def test_scheduled_plain_kernel_matches_reference(fmt, rows, heads, width) -> None:
@@ -275,9 +286,11 @@ def test_scheduled_plain_kernel_matches_reference(fmt, rows, heads, width) -> No
     q, kv, slots, counts, ss, os_ = _ragged(rows, heads, width, fmt, seed=rows * 31 + heads)
     out = torch.full((rows, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse = torch.full((rows, heads), float("nan"), device=DEVICE)
+    cfg = default_config(heads, fmt)
+    ws = _poisoned_workspace(psched.schedule_shape(rows, width, heads, cfg, 4), heads, width, cfg)
     triton_decode.sparse_mla_decode(q, kv, slots, counts, fmt=fmt, softmax_scale=ss, output_scale=os_, out=out,
-                                    lse=lse, scheduled=True)
-    check_decode(out, lse, q, kv, slots, counts, fmt, ss, os_, default_config(heads, fmt))
+                                    lse=lse, scheduled=True, workspace=ws)
+    check_decode(out, lse, q, kv, slots, counts, fmt, ss, os_, cfg)
 
 
 def test_scheduled_launch_splits_rows_and_leaves_idle_items() -> None:
@@ -318,16 +331,33 @@ def _kernel(fmt: str, heads: int, rows: tuple[int, ...], width: int, ss: float, 
     return TritonDecode(setup)
 
 
+KERNEL_CLASS_SHAPE = (5, 16, 384)  # rows, heads, width
+
+
+def _kernel_class_case(fmt: str):
+    """random_case's inputs with every row a full selection (row 0's, rolled; its -1 holes kept): any count is
+    valid."""
+    rows, heads, width = KERNEL_CLASS_SHAPE
+    q, kv, slots, counts, ss, os_ = random_case(rows, heads, width, fmt, seed=11)
+    for i in range(1, rows):
+        slots[i] = torch.roll(slots[0], 11 * i)
+    return q, kv, slots, counts, ss, os_
+
+
+def _check_kernel_call(kernel, out, lse, q, kv, slots, counts, fmt: str, ss: float, os_: float) -> None:
+    """check_decode of a TritonDecode call against what its bound kernel computes (_computed: a Gluon nvfp4 form
+    decodes the e4m3 values of the rows, conftest.computed_operands), as the graph-replay test checks."""
+    check_decode(out, lse, q, *_computed(kernel, fmt, kv, slots, counts, ss, os_))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_class_schedules_each_call_from_its_counts(fmt, monkeypatch) -> None:
     """VLLM_KIMI_DSA_SCHEDULE=counts: TritonDecode binds one scheduled launch a (rows, width) and its planner runs on
     every call, so counts changed between calls on the same buffers (ragged with splits, then all whole, then empty,
     then skewed) each give the reference: a table left from the call before would leak into the next."""
     monkeypatch.setenv(envs.SCHEDULE, "counts")
-    rows, heads, width = 5, 16, 384
-    q, kv, slots, counts, ss, os_ = random_case(rows, heads, width, fmt, seed=11)
-    for i in range(1, rows):  # every row a full selection (row 0's, rolled; its -1 holes kept): any count is valid
-        slots[i] = torch.roll(slots[0], 11 * i)
+    rows, heads, width = KERNEL_CLASS_SHAPE
+    q, kv, slots, counts, ss, os_ = _kernel_class_case(fmt)
     k = _kernel(fmt, heads, (3, rows), width, ss, os_)
     assert k.scheduled and set(k.schedules) == {(r, width) for r in range(1, rows + 1)}
     assert k.workspace.sched is not None and k.workspace.sched.numel() >= ksched.table_ints(k.schedules[rows, width])
@@ -338,7 +368,27 @@ def test_kernel_class_schedules_each_call_from_its_counts(fmt, monkeypatch) -> N
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         k(q, kv, slots, counts, out, lse, block_size=64, rows_per_block_stride=64)
-        check_decode(out, lse, q, kv, slots, counts, fmt, ss, os_, k.config)
+        _check_kernel_call(k, out, lse, q, kv, slots, counts, fmt, ss, os_)
+
+
+def test_kernel_class_check_takes_the_values_the_bound_kernel_computes() -> None:
+    """H200, 2026-12-07: test_kernel_class_schedules_each_call_from_its_counts[nvfp4_ds_mla] failed with an LSE error
+    of 0.376 (VLLM_KIMI_DSA_GLUON unset; it passed with VLLM_KIMI_DSA_GLUON=0). On Hopper TritonDecode runs 16-head
+    nvfp4 on the Gluon few-heads e4m3 form, which computes the fp8 decode of formats.nvfp4_e4m3_values of the rows;
+    the test judged it against the exact nvfp4 rows, whose reference LSE differs from the e4m3 values' by 0.374 on
+    the first counts. A stand-in of that kernel (its output the e4m3 values' float32 reference) must pass the check
+    the kernel-class test makes (conftest.computed_operands, as the graph-replay test's)."""
+    from types import SimpleNamespace
+
+    from conftest import decode_reference
+
+    rows, heads, width = KERNEL_CLASS_SHAPE
+    q, kv, slots, counts, ss, os_ = _kernel_class_case("nvfp4_ds_mla")
+    counts.copy_(torch.tensor([width, 0, 1, width - 1, 200], dtype=torch.int32))
+    e4m3_form = SimpleNamespace(gluon=SimpleNamespace(nvfp4=True), config=default_config(heads, "nvfp4_ds_mla"))
+    out, lse = decode_reference(q, nvfp4_e4m3_values(kv), slots, counts, fmt=VALUES, softmax_scale=ss,
+                                output_scale=os_)
+    _check_kernel_call(e4m3_form, out.to(torch.bfloat16), lse, q, kv, slots, counts, "nvfp4_ds_mla", ss, os_)
 
 
 def test_schedule_switch(monkeypatch) -> None:
@@ -389,16 +439,35 @@ def _gluon_call(kind: str):
     return fh.few_heads_sparse_mla_decode, {"params": params}
 
 
+def _raise_counts(slots: torch.Tensor, counts: torch.Tensor, rows: list[int], new: int) -> None:
+    """counts[rows] = new, in place, with those rows' ids made valid first: row 0's selection (a full one: count K,
+    cache rows and -1 holes), rolled, then junk past the new count as the cases put it (ids raised over the junk
+    test_gluon_decode._case / random_case leave past the old counts would send a kernel past the cache)."""
+    for i in rows:
+        slots[i] = torch.roll(slots[0], 7 * i)
+        slots[i, new:] = (1 << 29) + i
+        counts[i] = new
+
+
+def _gluon_scheduled_case(rows: int, heads: int, width: int, fmt: str):
+    """test_gluon_decode's case (row 0 full); past 8 rows more full and near-full rows beside random ones (pieces
+    and whole rows in one launch)."""
+    from test_gluon_decode import _case as gluon_case
+
+    q, kv, slots, counts, ss, os_ = gluon_case(rows, heads, width, seed=rows * 7 + heads, fmt=fmt)
+    assert int(counts[0]) == width
+    if rows > 8:
+        _raise_counts(slots, counts, list(range(5, rows, 3)), width)
+        _raise_counts(slots, counts, list(range(6, rows, 5)), width - 65)
+    return q, kv, slots, counts, ss, os_
+
+
 @GLUON_GPU
 @pytest.mark.parametrize("kind,rows,heads,width,fmt", GLUON_SCHEDULED, ids=lambda x: str(x))
 def test_gluon_scheduled_matches_reference(kind, rows, heads, width, fmt) -> None:
-    from test_gluon_decode import _case as gluon_case
     from vllm_kimi_dsa.kernels import gluon_seesaw as gs
 
-    q, kv, slots, counts, ss, os_ = gluon_case(rows, heads, width, seed=rows * 7 + heads, fmt=fmt)
-    if rows > 8:  # more full and near-full rows beside random ones: pieces and whole rows in one launch
-        counts[5::3] = width
-        counts[6::5] = width - 65
+    q, kv, slots, counts, ss, os_ = _gluon_scheduled_case(rows, heads, width, fmt)
     call, kw = _gluon_call(kind)
     if kind == "seesaw" and fmt != "fp8":
         kw = {"params": gs.nvfp4_seesaw_params()}
@@ -420,18 +489,29 @@ def _ragged_variants(rows: int, width: int, n: int, device) -> list[torch.Tensor
             for kind in ("full", "uniform", "serving", "skewed", "empty", "corners")][:n]
 
 
+GRAPH_WIDTH, GRAPH_SIZES = 2048, (1, 5, 33, 130)
+GRAPH_CASES = [("fp8", 128), ("fp8", 16), ("fp8", 24), ("nvfp4_ds_mla", 64), ("nvfp4_ds_mla", 8)]
+
+
+def _graph_case(fmt: str, heads: int):
+    """(q, kv, slots, softmax_scale, output_scale) of the graph-replay test: GRAPH_SIZES' largest batch, every row a
+    full selection (row 0's, rolled: cache rows and -1 holes), since the replays' counts go up to K in any row."""
+    q0, kv, slots0, _, ss, os_ = random_case(max(GRAPH_SIZES), heads, GRAPH_WIDTH, fmt, seed=heads, num_rows=1 << 16)
+    for i in range(1, slots0.shape[0]):
+        slots0[i] = torch.roll(slots0[0], 13 * i)
+    return q0, kv, slots0, ss, os_
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 16), ("fp8", 24), ("nvfp4_ds_mla", 64),
-                                       ("nvfp4_ds_mla", 8)])
+@pytest.mark.parametrize("fmt,heads", GRAPH_CASES)
 def test_scheduled_graph_replays_follow_changed_counts(fmt, heads, monkeypatch) -> None:
     """TritonDecode with VLLM_KIMI_DSA_SCHEDULE=counts captured once a batch size (1, 5, 33, 130 rows), replayed 60
     times with the counts (and queries) changed in place between replays: every replay equals the eager call on the
     same inputs bit for bit (the same planner, the same pieces), the eager calls match the reference, and the replays
     allocate nothing."""
     monkeypatch.setenv(envs.SCHEDULE, "counts")
-    width = 2048
-    sizes = (1, 5, 33, 130)
-    q0, kv, slots0, _, ss, os_ = random_case(max(sizes), heads, width, fmt, seed=heads, num_rows=1 << 16)
+    width, sizes = GRAPH_WIDTH, GRAPH_SIZES
+    q0, kv, slots0, ss, os_ = _graph_case(fmt, heads)
     kernel = _kernel(fmt, heads, sizes, width, ss, os_)
     assert kernel.scheduled
     for rows in sizes:
@@ -484,3 +564,74 @@ def _computed(kernel, fmt: str, kv, slots, counts, ss: float, os_: float) -> tup
 
     _, kv_c, fmt_c, ss_c, os_c = computed_operands(kernel, fmt, None, kv, ss, os_)
     return kv_c, slots, counts, fmt_c, ss_c, os_c, kernel.config, fp8_wgmma_dims(kernel, fmt) or False
+
+
+def _ids_outside_the_cache(kv, slots, counts) -> int:
+    """Ids inside the counts that are neither a row of kv nor a -1 hole."""
+    inside = torch.arange(slots.shape[1], device=slots.device) < counts.long().unsqueeze(1)
+    return int((inside & ((slots >= kv.shape[0]) | (slots < -1))).sum())
+
+
+@pytest.mark.parametrize("kind,rows,heads,width,fmt", GLUON_SCHEDULED, ids=lambda x: str(x))
+def test_gluon_cases_select_rows_of_the_cache(kind, rows, heads, width, fmt) -> None:
+    """H200, 2026-12-07: test_gluon_scheduled_matches_reference[seesaw-67-96-2048-fp8], the first case of > 8 rows,
+    died with an illegal memory access. The case raised counts (counts[5::3] = K, counts[6::5] = K - 65) after
+    test_gluon_decode._case had put far out-of-range junk ids (2**28 .. 2**30) past the old counts, so the ids inside
+    the new counts sent any kernel past the cache. Every id inside a count a GPU case hands a kernel must be a cache
+    row or a -1 hole (CPU: the inputs only)."""
+    _, kv, slots, counts, _, _ = _gluon_scheduled_case(rows, heads, width, fmt)
+    bad = _ids_outside_the_cache(kv, slots, counts)
+    assert bad == 0, f"{bad} ids inside the counts are past the cache's {kv.shape[0]} rows"
+
+
+@pytest.mark.parametrize("fmt,heads", GRAPH_CASES)
+def test_graph_replay_cases_select_rows_of_the_cache(fmt, heads) -> None:
+    """The graph-replay test's counts variants (full, uniform, serving, skewed, empty, corners) on its slots:
+    random_case leaves junk past its own counts, which the variants raise (the same fault as above, at 5 rows)."""
+    _, kv, slots0, _, _ = _graph_case(fmt, heads)
+    for rows in GRAPH_SIZES:
+        for v in _ragged_variants(rows, GRAPH_WIDTH, 6, kv.device):
+            bad = _ids_outside_the_cache(kv, slots0[:rows], v)
+            assert bad == 0, f"{rows} rows, counts {v[:8].tolist()}: {bad} ids past the cache's {kv.shape[0]} rows"
+
+
+# the H100 / H200 shapes of the 2026-12-07 failures: the seesaw kernel's 67 rows x 96 heads, the serving section's
+# first point (the plain kernel, 128 heads, 8 rows), the few-heads nvfp4 form's 5 rows x 16 heads
+FAILED_SHAPES = [(96, "seesaw", 67, 2048), (128, "plain", 8, 2048), (16, "few-nvfp4", 5, 384)]
+
+
+@pytest.mark.parametrize("heads,kernel,rows,width", FAILED_SHAPES, ids=lambda x: str(x))
+def test_scheduled_tables_index_inside_the_workspace(heads, kernel, rows, width) -> None:
+    """Every index a scheduled launch's decode kernel and combine take from the device planner's tables (written on
+    a poisoned scratch), on every counts kind at the failures' shapes on 132 SMs, is inside the buffers the workspace
+    allocates, and the combine reads only partials a piece of the same call wrote: live items cover 0 <= start <=
+    end <= count of a real row (empty only for a count-0 row), partial slots < shape.pieces (entries < capacity),
+    idle items (row -1) only past the call's; split rows < split_rows with >= 2 pieces each."""
+    from vllm_kimi_dsa.kernels import gluon_few_heads as fh
+    from vllm_kimi_dsa.kernels import gluon_seesaw as gs
+
+    cfg = {"seesaw": lambda: gs.SeesawParams().config(heads), "few-nvfp4": lambda: fh.nvfp4_params().config(heads),
+           "plain": lambda: default_config(heads, "fp8")}[kernel]()
+    shape = psched.schedule_shape(rows, width, heads, cfg, H100_SMS)
+    ws = _poisoned_workspace(shape, heads, width, cfg)
+    tabs = ksched.tables(ws.sched, shape)
+    rng = random.Random(rows + heads)
+    for kind in KINDS:
+        counts = _counts(kind, rows, width, rng)
+        ws.sched.fill_(-7777777)
+        ksched.plan_schedule(torch.tensor(counts, dtype=torch.int32, device=DEVICE), width, tabs)
+        n_items, n_split = tabs.meta.tolist()[:2]
+        written = set()
+        for i, (r, s, e, part) in enumerate(tabs.items.tolist()):
+            if r < 0:
+                assert r == -1 and i >= n_items, (kind, i)
+                continue
+            c = min(max(counts[r], 0), width)
+            assert i < n_items and r < rows and 0 <= s <= e <= c and (s < e or c == 0), (kind, i, r, s, e, c)
+            assert -1 <= part < shape.pieces and (part + 1) * heads <= ws.capacity, (kind, i, part)
+            if part >= 0:
+                assert part not in written, (kind, "two pieces share a partial slot", part)
+                written.add(part)
+        assert n_split <= tabs.splits.shape[0] and n_split <= shape.split_rows, (kind, n_split)
+        for r, first, n, _ in tabs.splits.tolist()[:n_split]:
+            assert 0 <= r < rows and n >= 2 and set(range(first, first + n)) <= written, (kind, r, first, n)
