@@ -10,8 +10,10 @@ by the host clock (plumbing, not measurement). The CLI wiring: `bench --quick` r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -125,6 +127,66 @@ def test_warm_compiles_ours_at_every_point(small) -> None:
     suite, data, _, _ = small
     sv.warm(suite, data, (2,), (8,))  # one eager call each (the interpreter): no failure recorded, nothing timed
     assert not suite.failures and suite.serving is None
+
+
+class _HeldCalls:
+    """make_timer's stand-in that, like GraphTimer, keeps no reference to its calls -- only weak ones, to see whether
+    the section still holds them when the replays run."""
+
+    def __init__(self, calls, device) -> None:
+        self.refs = [weakref.ref(c) for c in calls]
+        for c in calls:  # the eager run and the capture read what the calls hold
+            c()
+
+    def time_us(self, **kw) -> float:
+        dead = sum(r() is None for r in self.refs)
+        assert not dead, f"{dead} of {len(self.refs)} calls freed before their graph's replays"
+        return 1.0
+
+    def close(self) -> None:
+        pass
+
+
+def test_section_keeps_every_kinds_calls_until_its_replays(small, monkeypatch) -> None:
+    """H200, 2026-12-07: the serving section died with an illegal memory access at its first point (H = 128, 8 rows,
+    all full), in the interleaved timing, after every kind's own capture and replay had passed. A CUDA graph reads
+    and writes the addresses it was captured with, but _point kept only each kind's record fields: the calls (and
+    what only they held: the fa3 peer's per-set FlashInfer wrappers and page tables, the FlashMLA peer's buffers, a
+    TritonDecode's workspace once a larger one replaced it in the shared table) went back to the allocator before
+    the replays, and the next allocations reused them. Every kind's calls must stay alive until its timer is closed."""
+    suite, data, peer, _ = small
+    monkeypatch.setattr(sv, "make_timer", _HeldCalls)
+    sv.serving_section(suite, data, CEIL, peer, (2,), (8,))
+    assert not suite.failures, suite.failures[0].get("error", suite.failures[0])
+
+
+def test_graph_timer_holds_its_calls(monkeypatch) -> None:
+    """GraphTimer kept only len(calls): the graph it captured outlived what the calls held. It must hold the calls
+    until close() (torch.cuda stood in for: a CPU cannot capture)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from vllm_kimi_dsa import timing
+
+    stream = SimpleNamespace(wait_stream=lambda s: None)
+    graph = SimpleNamespace(replay=lambda: None)
+    for name, value in {"Stream": lambda: stream, "current_stream": lambda: stream, "synchronize": lambda: None,
+                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": lambda: graph,
+                        "graph": lambda g: contextlib.nullcontext()}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    class Buffers:  # what a call's closure alone holds (a peer's plan buffers, a kernel's workspace)
+        pass
+
+    held = Buffers()
+    ref = weakref.ref(held)
+    timer = timing.GraphTimer([lambda b=held: b])
+    del held
+    gc.collect()
+    assert ref() is not None, "the captured calls' buffers were freed while the graph can still replay"
+    timer.close()
+    gc.collect()
+    assert ref() is None
 
 
 def test_proportionality_summary_and_median() -> None:

@@ -35,7 +35,9 @@ def cuda_graph_time_us(calls: Sequence[Callable[[], Any]], *, reps_time_s: float
 
 class GraphTimer:
     """`calls` captured once into a CUDA graph (after one eager run on a side stream); time_us() replays it, as often
-    as asked, so several kernels' graphs can be timed in turn (interleaved_us) without capturing them again."""
+    as asked, so several kernels' graphs can be timed in turn (interleaved_us) without capturing them again. The timer
+    holds the calls until close(): the graph reads and writes the addresses it was captured with, so what only the
+    calls hold (a peer's plan buffers, a kernel's workspace) must not go back to the allocator while it can replay."""
 
     def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
         import torch
@@ -43,6 +45,7 @@ class GraphTimer:
         if not calls:
             raise ValueError("calls must not be empty")
         self.calls = len(calls)
+        self._held: tuple[Callable[[], Any], ...] | None = tuple(calls)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -78,6 +81,7 @@ class GraphTimer:
 
     def close(self) -> None:
         self.graph = None
+        self._held = None  # after the graph: nothing replays into what the calls held
 
 
 class HostTimer:

@@ -192,8 +192,10 @@ def serving_section(suite: bs.Suite, data: bs.Data, ceil: dict[str, Any], peer: 
 
 def _point(suite: bs.Suite, data: bs.Data, ceil: dict[str, Any], rows: int, heads: int, dist: str, kinds: list[str],
            inp: dict[str, Any], peer: dict[str, Any] | None, sets: int) -> dict[str, dict[str, Any]]:
-    """One (heads, rows, dist): every kind built and captured, timed in turn; its records by kind."""
-    built, timers = {}, {}
+    """One (heads, rows, dist): every kind built and captured, timed in turn; its records by kind. Each kind's calls
+    (and what only they hold: peers' plan buffers, a kernel's workspace) stay referenced until its timer is closed:
+    a captured graph replays into the addresses it was captured with."""
+    built, timers, held = {}, {}, {}
     for kind in kinds:
         what = {"section": "serving", "kernel": kind, "rows": rows, "heads": heads, "dist": dist}
         got = suite.guarded(what, lambda kind=kind: kernel_calls(kind, data, rows, heads, inp, peer))
@@ -201,7 +203,7 @@ def _point(suite: bs.Suite, data: bs.Data, ceil: dict[str, Any], rows: int, head
             continue
         timer = suite.guarded(what, lambda calls=got[0]: make_timer(calls, suite.device))
         if timer is not None:
-            built[kind], timers[kind] = got[1], timer
+            built[kind], timers[kind], held[kind] = got[1], timer, got[0]
     times: dict[str, list[float]] = {}
     if timers:
         what = {"section": "serving", "kernel": "+".join(timers), "rows": rows, "heads": heads, "dist": dist}
@@ -209,6 +211,7 @@ def _point(suite: bs.Suite, data: bs.Data, ceil: dict[str, Any], rows: int, head
                                                            reps_time_s=suite.args.reps_time)) or {}
     for timer in timers.values():
         timer.close()
+    held.clear()  # the graphs are gone: the calls may go
     recs = {}
     for kind, values in times.items():
         info, st = built[kind], spread(values)
