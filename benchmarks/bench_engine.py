@@ -1,45 +1,41 @@
 """vLLM's engine end to end, this backend beside vLLM's Hopper default: `LLM(...)` through FLASHINFER_MLA_SPARSE
-(this package) and FLASHMLA_SPARSE on the same small DeepSeek-V3.2, same weights, same prompts.
+(this package) and FLASHMLA_SPARSE on the same small DeepSeek-V3.2, same weights, same prompts; the check, then timing.
 
-    python benchmarks/bench_engine.py run --out DIR [--heads 16,64,128] [--requests 1,8,32,128] ...
-    (on the device: bash tools/device_run.sh --vllm [--fi] py benchmarks/bench_engine.py run --out $OUT/engine ...)
+    python benchmarks/bench_engine.py check --out DIR [--heads 16] [--layers 1] [--seeds 7,8] [--faults ...]
+    python benchmarks/bench_engine.py time --out DIR --heads 16 [--layers auto] [--requests 1,8,32,128] ...
+    python benchmarks/bench_engine.py bounds DIR/engine_check.json      (a CPU: the bounds a check run gives)
+    (on the device: bash tools/device_run.sh --vllm --fi py benchmarks/bench_engine.py check --out $OUT/check ...)
 
 Each engine lives in a process of its own (benchmarks/engine_worker.py), driven over a pipe, so two engines never
-share a CUDA context, both stay up while they are timed in turn, and a failed start is reported with its error.
+share a CUDA context, and a failed start is reported with its error.
 
-**The check.** CHECK_REQUESTS requests with contexts in CHECK_CONTEXT (all past index_topk, so the indexer's choice
-matters) are forced down the same random token trace in every engine (vLLM's trace replay) for CHECK_STEPS decode
-steps, and every step's full-vocabulary log-probabilities are recorded (engine_worker.RecordLogits). Two engines
-compare (`compare`, `judge`) by the largest |log-probability difference| over the vocabulary at each decode step: a
-correct engine stays within the bound at every step and, wherever the reference's top two are 2 x the bound or more
-apart, picks the same token (within the bound each log-probability moves at most the bound, so the top-two gap at
-most twice it: a wider gap cannot flip). The engines: FLASHMLA_SPARSE (vLLM's Hopper default, the reference); this
-backend under CUDA graphs and eager; vLLM's FLASHINFER_MLA_SPARSE_SM90 where FlashInfer is carried, on its own BF16
-query and on this backend's FP8-rounded query (SAME_INPUTS: the same cache bytes and query values as this backend);
-and the negative controls (engine_worker.FAULTS) planted in this backend's eager engine.
+**The check** (`check`). CHECK_REQUESTS requests with prompts in CHECK_CONTEXT (past index_topk, so the indexer's
+choice matters; spaced so that a token's position names its request and step) are forced down one random token
+trace in every engine (vLLM's trace replay) for CHECK_STEPS decode steps, each seed a workload of its own. Every
+engine records each step's full-vocabulary log-probabilities and layer 0's attention output; one engine runs at a
+time. The engines: FLASHMLA_SPARSE (the reference) and this backend under CUDA graphs; vLLM's
+FLASHINFER_MLA_SPARSE_SM90 (eager, where FlashInfer is carried) on its own BF16 query, on this backend's FP8 query
+(engine_check.SAME_INPUTS, the denominator) and on that query with its keys reversed (engine_check.KEYS_REVERSED);
+and one CUDA-graph engine of this backend per planted fault (engine_worker.FAULTS), the fault in its decode rows
+only. engine_check's docstring says what is computed, how its bounds are set and what passes. At CHECK_LAYERS
+(one layer: no layer re-rounds another's output into its FP8 cache) the check is judged; at more layers the run is
+a smoke test: every engine starts, follows the trace, records every step and runs its own backend, nothing more.
 
-**The bounds, from measurement** (`measured_bounds`, each BOUND_FACTOR x a measured spread, rounded up to two
-digits; the module's FORMAT_BOUND and SAME_INPUTS_BOUND are those of the committed run, every run reports its own):
-- against FLASHMLA_SPARSE, from vLLM's own FLASHINFER_MLA_SPARSE_SM90 against it: what the 576 B per-tensor cache's
-  rounding alone moves (the FP8 cache, not this backend, sets it). This backend must stay within it.
-- against SAME_INPUTS, from this backend's engines against it: what two kernels move on identical inputs. Every
-  planted fault must exceed it on most requests (the softmax-scale fault at the first decode step too); whether the
-  format bound alone catches each is reported beside.
-
-**The timing.** At each (heads, requests, context mix) both engines prefill the same prompts (every request), run
-WARMUP decode steps at the full batch, then time windows of `steps` decode steps each, in turn (ours, FlashMLA,
-FlashMLA, ours, ...), `repeats` windows each, and one more window each under the torch profiler. A window is wall
-time between synchronised ends over the tokens every request gained; the scheduler's own steps in it are recorded
-and each must be pure decode (one token for every request, none new). Per decode step: wall µs, GPU µs by kernel
-class (engine_worker.KERNEL_CLASSES; attention = decode + combine + metadata + query kernels of each side), tokens/s,
-and the attention floor (each selected KV row read once at the machine's measured copy rate). Both engines run the
-same max_num_seqs, capture sizes and graph mode (recorded and compared).
+**The timing** (`time`). Two engines, this backend and FLASHMLA_SPARSE, without instruments, up at once on a model
+of as many layers as the card holds for both (engine_timing.fit_layers, at most 61). At each (requests, context mix)
+both prefill the same prompts, run WARMUP decode steps at the full batch, then `windows` interleaved windows of
+`steps` decode steps each (ours, FlashMLA, FlashMLA, ours, ...) and one more each under the torch profiler. A window
+is wall time between synchronised ends; each step's GPU span comes from CUDA events around it; nvidia-smi's clocks
+follow each window; every scheduler step in a window must be pure decode of the whole batch (engine_timing.
+window_checks). Per decode step: wall µs, GPU span µs, summed kernel µs and attention µs (engine_timing.
+ATTENTION_KERNELS, every kernel of both sides in the row), tokens/s, and the attention floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import multiprocessing
@@ -52,41 +48,26 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_check as ec  # noqa: E402
+import engine_timing as et  # noqa: E402
 import engine_worker as ew  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS, FLASHMLA, FLASHINFER_SM90, VOCAB = ew.OURS, ew.FLASHMLA, ew.FLASHINFER_SM90, ew.VOCAB
-LAYERS = 4
+SAME_INPUTS, KEYS_REVERSED = ec.SAME_INPUTS, ec.KEYS_REVERSED
 
-BOUND_FACTOR = 1.5
-# |log-probability difference| a decode step may show: measured_bounds of the committed run
-# (benchmarks/results/2026-12-07-h100-engine/h16, held equal by tests/test_bench_engine.py): against FLASHMLA_SPARSE
-# (its 656 B fp8_ds_mla rows against the 576 B per-tensor ones) and against FLASHINFER_MLA_SPARSE_SM90 fed this
-# backend's FP8 query (the same cache bytes).
-FORMAT_BOUND = 3.4
-SAME_INPUTS_BOUND = 2.9
-
-
-def module_bounds() -> dict[str, float]:
-    """{"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}, the bounds assess and the report use by default."""
-    return {"format": FORMAT_BOUND, "same_inputs": SAME_INPUTS_BOUND}
-
-
-MOST = 0.5  # a negative control must exceed the bound on more than this fraction of the requests
-SAME_INPUTS = f"{ew.FLASHINFER_SM90}+fp8q"  # vLLM's FLASHINFER_MLA_SPARSE_SM90 on this backend's rounded query
-
+CHECK_LAYERS = 1  # the judged check; any other layer count is a smoke test
 CHECK_REQUESTS, CHECK_STEPS = 64, 64
-CHECK_CONTEXT = (2100, 6000)
+CHECK_CONTEXT = (2100, 8000)
 REQUESTS = (1, 8, 32, 128)
 MIXES = ("uniform-4096", "ragged-100-8000")
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every timed batch and the check's 64 (both engines alike)
-SIDE_MEMORY = 0.2  # fraction of the GPU for an engine beside the two timed ones (0.3 each by default)
 WARMUP = 4
-TOPK = 2048
-ROW_BYTES = {OURS: 576, FLASHMLA: 656}  # a KV row as each backend stores it (fp8 per-tensor; fp8_ds_mla)
+WINDOWS, STEPS = 10, 64
+TOPK = et.TOPK
 
 
-def model_config(heads: int, layers: int = LAYERS) -> dict[str, Any]:
+def model_config(heads: int, layers: int) -> dict[str, Any]:
     """config.json of a small DeepSeek-V3.2: its released attention and indexer shapes, a small dense MLP."""
     return dict(
         architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
@@ -101,7 +82,7 @@ def model_config(heads: int, layers: int = LAYERS) -> dict[str, Any]:
     )
 
 
-def write_model(directory: Path, heads: int, layers: int = LAYERS) -> Path:
+def write_model(directory: Path, heads: int, layers: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model_config(heads, layers), indent=1))
     return directory
@@ -116,13 +97,19 @@ def random_tokens(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def check_workload(requests: int = CHECK_REQUESTS, steps: int = CHECK_STEPS, seed: int = 7,
+def check_workload(seed: int, requests: int = CHECK_REQUESTS, steps: int = CHECK_STEPS,
                    context: tuple[int, int] = CHECK_CONTEXT) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, traces): `requests` prompts of lengths in `context` (seeded) and a forced trace of 1 + steps tokens
-    each (the token after the prompt, then `steps` decode steps)."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(*context) for _ in range(requests)]
-    return random_tokens(lengths, seed), random_tokens([1 + steps] * requests, seed + 1)
+    """(prompts, traces) of one seed: `requests` prompts of lengths in `context`, at least steps + 2 apart (so the
+    positions of one request's decode steps are no other's), and a forced trace of 1 + steps tokens each (the token
+    after the prompt, then `steps` decode steps). Lengths, prompts and traces are drawn from three streams of `seed`."""
+    width = steps + 2
+    slots = (context[1] - context[0]) // width + 1
+    if slots < requests:
+        raise ValueError(f"context {context} holds {slots} prompts {width} tokens apart, fewer than requests "
+                         f"({requests})")
+    rng = random.Random(1000 * seed)
+    lengths = [context[0] + width * slot for slot in rng.sample(range(slots), requests)]
+    return random_tokens(lengths, 1000 * seed + 1), random_tokens([1 + steps] * requests, 1000 * seed + 2)
 
 
 def context_lengths(mix: str, requests: int, seed: int) -> list[int]:
@@ -140,121 +127,6 @@ def context_lengths(mix: str, requests: int, seed: int) -> list[int]:
             rng.shuffle(lengths)
         return lengths
     raise ValueError(f"context mix {mix!r} is neither uniform-N nor ragged-LO-HI")
-
-
-# ---------------------------------------------------------------------------------------------------- comparison
-
-
-def compare(reference: Any, other: Any) -> dict:
-    """Two engines' log-probabilities on the same forced traces, (requests, 1 + steps, vocab) float32 each (step 0:
-    the token after the prompt; NaN: not recorded), per decode step (1..): the largest |difference| over the
-    vocabulary (`diffs`), the reference's gap between its top two (`gaps`) and whether the two engines' top tokens
-    differ (`flipped`), with the spread's quantiles. `judge` reads them at a bound."""
-    import torch
-
-    if reference.shape != other.shape:
-        raise ValueError(f"reference {tuple(reference.shape)} and other {tuple(other.shape)} differ in shape")
-    missing = int((torch.isnan(reference).any(-1) | torch.isnan(other).any(-1))[:, 1:].sum())
-    diff = (other - reference).abs().amax(-1).nan_to_num(nan=math.inf)[:, 1:]  # (requests, steps)
-    ref = reference.nan_to_num(nan=-math.inf)
-    top2 = ref.topk(2, dim=-1).values[:, 1:]
-    flipped = (ref.argmax(-1) != other.nan_to_num(nan=-math.inf).argmax(-1))[:, 1:]
-    finite = diff[torch.isfinite(diff)].sort().values
-
-    def q(p: float) -> float:
-        return float(finite[min(len(finite) - 1, int(p * len(finite)))]) if len(finite) else math.inf
-
-    return {
-        "requests": int(diff.shape[0]), "decode_steps": int(diff.numel()), "missing_steps": missing,
-        "max": float(diff.max()), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99),
-        "diffs": [[round(float(v), 4) for v in row] for row in diff],
-        "gaps": [[round(float(v), 4) for v in row] for row in (top2[..., 0] - top2[..., 1])],
-        "flipped": [[int(v) for v in row] for row in flipped],
-    }
-
-
-def judge(result: dict, bound: float, fault: str | None = None) -> dict:
-    """`result` (compare's) at `bound`, with the tie margin 2 x bound. A correct engine `passes` when every decode
-    step is within the bound, none is missing, and no token flips where the reference's top two are the margin or
-    more apart. A planted fault `passes` (is caught) when more than MOST of its requests exceed the bound, and the
-    softmax-scale fault also at the first decode step (not only through a cache its prefill wrote)."""
-    diffs, gaps, flipped = result["diffs"], result["gaps"], result["flipped"]
-    margin = 2 * bound
-    per_request = [max(row) for row in diffs]
-    first = [row[0] for row in diffs]
-    flips = sum(f and g >= margin for fr, gr in zip(flipped, gaps) for f, g in zip(fr, gr))
-    over = sum(v > bound for v in per_request) / len(per_request)
-    first_over = sum(v > bound for v in first) / len(first)
-    ok = max(per_request) <= bound and flips == 0 and result["missing_steps"] == 0
-    if fault is None:
-        passes = ok
-    else:
-        passes = over > MOST and (fault != "softmax_scale" or first_over > MOST)
-    return {"bound": bound, "tie_margin": margin, "ok": ok, "passes": passes, "fault": fault,
-            "confident_token_flips": flips, "over_bound": over, "first_decode_over_bound": first_over,
-            "margin_median": statistics.median(per_request) / bound}
-
-
-def derive_bound(spreads: list[float], factor: float = BOUND_FACTOR) -> float:
-    """factor x the largest correct-engine step difference, rounded up to two significant digits."""
-    worst = max(spreads)
-    if not worst > 0:
-        raise ValueError(f"spreads must hold a positive difference, got {spreads}")
-    value = float(f"{factor * worst:.4g}")  # float32 sums' last bits must not push it up a whole step
-    step = 10 ** (math.floor(math.log10(value)) - 1)
-    return round(math.ceil(value / step) * step, 10)
-
-
-def pair(other: str, reference: str) -> str:
-    return f"{other} vs {reference}"
-
-
-def comparisons(logprobs: dict[str, Any]) -> dict[str, dict]:
-    """Every pair the report holds (compare's results), where both engines ran: each engine against FLASHMLA_SPARSE
-    (the cache format's cost and more), this backend's engines and faults against FLASHINFER_MLA_SPARSE_SM90 on the
-    same query (the kernels' own arithmetic), FLASHINFER_MLA_SPARSE_SM90 against itself on that query (the FP8
-    query's cost), and CUDA graphs against eager."""
-    wanted = [(name, FLASHMLA) for name in logprobs if name != FLASHMLA]
-    wanted += [(name, SAME_INPUTS) for name in logprobs if name == OURS or name.startswith("eager:")]
-    wanted += [(FLASHINFER_SM90, SAME_INPUTS), (OURS, "eager:none")]
-    return {pair(a, b): compare(logprobs[b], logprobs[a]) for a, b in wanted if a in logprobs and b in logprobs}
-
-
-def measured_bounds(compared: dict[str, dict]) -> dict[str, float]:
-    """The bounds this run's spreads give (derive_bound): against FLASHMLA_SPARSE from vLLM's own
-    FLASHINFER_MLA_SPARSE_SM90 against it (either query: the 576 B per-tensor cache's rounding, never this backend's
-    numbers); on the same inputs from this backend's engines against FLASHINFER_MLA_SPARSE_SM90 fed their query."""
-    out = {}
-    fmt = [compared[k]["max"] for k in (pair(FLASHINFER_SM90, FLASHMLA), pair(SAME_INPUTS, FLASHMLA)) if k in compared]
-    same = [compared[k]["max"] for k in (pair(OURS, SAME_INPUTS), pair("eager:none", SAME_INPUTS)) if k in compared]
-    if fmt:
-        out["format"] = derive_bound(fmt)
-    if same:
-        out["same_inputs"] = derive_bound(same)
-    return out
-
-
-def assess(compared: dict[str, dict], bounds: dict[str, float] | None = None) -> dict[str, dict]:
-    """The verdicts at `bounds` (default the module's FORMAT_BOUND / SAME_INPUTS_BOUND): this backend's engines
-    (graphs, eager) within the format bound of FLASHMLA_SPARSE and within the same-input bound of
-    FLASHINFER_MLA_SPARSE_SM90 fed their query; each planted fault caught at the same-input bound (at the format bound
-    when FlashInfer did not run), and, reported beside, whether the format bound alone catches it."""
-    bounds = {**module_bounds(), **(bounds or {})}
-    out: dict[str, dict] = {}
-    for name in (OURS, "eager:none"):
-        for ref, bound in ((FLASHMLA, bounds["format"]), (SAME_INPUTS, bounds["same_inputs"])):
-            if pair(name, ref) in compared:
-                out[pair(name, ref)] = judge(compared[pair(name, ref)], bound)
-    for fault in ew.FAULTS:
-        name = f"eager:{fault}"
-        ref, bound = (SAME_INPUTS, bounds["same_inputs"]) if pair(name, SAME_INPUTS) in compared else \
-            (FLASHMLA, bounds["format"])
-        if pair(name, ref) in compared:
-            out[pair(name, ref)] = judge(compared[pair(name, ref)], bound, fault)
-        if ref != FLASHMLA and pair(name, FLASHMLA) in compared:
-            out[pair(name, FLASHMLA)] = {**judge(compared[pair(name, FLASHMLA)], bounds["format"], fault),
-                                         "informational": True}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -317,102 +189,15 @@ class EngineProcess:
 
 
 def engine_spec(out_dir: Path, name: str, model: Path, backend: str, heads: int, args: argparse.Namespace, *,
-                eager: bool = False, faults: bool = False, fi_site: str | None = None,
-                side: bool = False) -> dict[str, Any]:
-    """An engine's spec (engine_worker.serve). side: an engine started beside the two timed ones (the faults' and
-    FlashInfer's), given SIDE_MEMORY of the GPU instead of the run's share."""
+                eager: bool = False, fault: str = "none", fi_site: str | None = None, instruments: bool = True,
+                gpu_memory_utilization: float | None = None, record_rows: int = 0) -> dict[str, Any]:
+    """An engine's spec (engine_worker.serve): a checked engine carries the instruments (record_rows: the capacity of
+    layer 0's recorder), a timed one none."""
     return {"backend": backend, "heads": heads, "model": str(model), "log": str(out_dir / f"{name}.log"),
-            "eager": eager, "faults": faults, "fi_site": fi_site, "shims": args.shims,
-            "force_mqa": not ew.flash_attention_present(), "capture_sizes": list(args.capture_sizes),
-            "gpu_memory_utilization": SIDE_MEMORY if side else args.gpu_memory_utilization}
-
-
-# ---------------------------------------------------------------------------------------------------- timing
-
-
-def attention_floor_us(lengths: list[int], backend: str, copy_gbps: float | None) -> float | None:
-    """µs a decode step's attention needs at least: every selected KV row (min(context, TOPK) a request, each layer,
-    in the backend's own row format) moved once at the machine's measured copy rate (timing.ceilings: bytes read +
-    written a second), as the suite's floors count bytes."""
-    if not copy_gbps or backend not in ROW_BYTES:
-        return None
-    rows = sum(min(n, TOPK) for n in lengths) * LAYERS
-    return rows * ROW_BYTES[backend] / (copy_gbps * 1e9) * 1e6
-
-
-def classify(kernels_us: dict[str, float], steps: int) -> dict[str, Any]:
-    """A profiled window's GPU µs by kernel class, per decode step, and its largest kernels."""
-    by: dict[str, float] = {}
-    for name, us in kernels_us.items():
-        label = ew.kernel_class(name)
-        by[label] = by.get(label, 0.0) + us / steps
-    top = sorted(kernels_us.items(), key=lambda kv: -kv[1])[:16]
-    return {"gpu_us": sum(by.values()), "attention_us": sum(by.get(c, 0.0) for c in ew.ATTENTION_CLASSES),
-            "by_class_us": {k: round(v, 2) for k, v in sorted(by.items())},
-            "top_kernels": [{"kernel": k[:120], "class": ew.kernel_class(k), "us_per_step": round(v / steps, 2)}
-                            for k, v in top]}
-
-
-def batch_tokens(lengths: list[int], repeats: int, steps: int) -> int:
-    """max_tokens of a timed batch: every window's steps (repeats + the profiled one) past the warm-up, plus one token
-    a prefill step, since the first requests decode while chunked prefill still feeds the later ones: without it they
-    reach max_tokens inside the last windows and the batch shrinks under the timing."""
-    prefill_steps = math.ceil(sum(lengths) / ew.MAX_NUM_BATCHED_TOKENS) + len(lengths)
-    return 1 + WARMUP + (repeats + 1) * steps + prefill_steps + 16
-
-
-def time_point(engines: dict[str, EngineProcess], heads: int, requests: int, mix: str, args: argparse.Namespace,
-               copy_gbps: float | None) -> list[dict[str, Any]]:
-    """One (heads, requests, mix) point on both engines: the same prompts prefilled in each, then `repeats` timed
-    windows each, in turn, and one profiled window each; one row per backend."""
-    lengths = context_lengths(mix, requests, seed=1000 + requests)
-    prompts = random_tokens(lengths, seed=2000 + requests)
-    tokens = batch_tokens(lengths, args.repeats, args.steps)
-    names = list(engines)
-    prefill = {n: engines[n].call("start_batch", prompts=prompts, tokens=tokens, warmup=WARMUP) for n in names}
-    windows: dict[str, list[dict]] = {n: [] for n in names}
-    try:
-        for rep in range(args.repeats):
-            for n in (names if rep % 2 == 0 else names[::-1]):
-                windows[n].append(engines[n].call("decode_window", steps=args.steps))
-        profiled = {n: engines[n].call("decode_window", steps=args.steps, profile=True) for n in names}
-    finally:
-        for n in names:
-            engines[n].call("end_batch")
-    rows = []
-    for n in names:
-        every = [*windows[n], profiled[n]]
-        step_us = [w["seconds"] / w["steps"] * 1e6 for w in windows[n]]
-        median = statistics.median(step_us)
-        gpu = classify(profiled[n]["kernels_us"], profiled[n]["steps"])
-        floor = attention_floor_us(lengths, n, copy_gbps)
-        rows.append({
-            "backend": n, "heads": heads, "requests": requests, "context_mix": mix,
-            "decode_step_us": round(median, 2), "attention_us": round(gpu["attention_us"], 2),
-            "tokens_per_s": round(requests / (median * 1e-6), 1), "gpu": engines[n].info.get("gpu"),
-            "gpu_bound_tokens_per_s": round(requests / (gpu["gpu_us"] * 1e-6), 1),
-            "prefill_path": engines[n].info.get("prefill_path"),
-            "decode_step_us_repeats": [round(v, 2) for v in step_us],
-            "decode_step_spread": round((max(step_us) - min(step_us)) / median, 4),
-            "gpu_us": round(gpu["gpu_us"], 2), "by_class_us": gpu["by_class_us"],
-            "attention_floor_us": None if floor is None else round(floor, 2),
-            "attention_floor_fraction": None if not floor else round(floor / gpu["attention_us"], 3),
-            "pure_decode": all(w["pure_decode"] for w in every),
-            "scheduled_steps": [w["scheduled_steps"] for w in every],
-            "impure_steps": [s for w in every for s in w.get("impure_steps", [])][:6],
-            "prompt_tokens": sum(lengths), "prefill_s": round(prefill[n]["prefill_s"], 3),
-            "top_kernels": gpu["top_kernels"],
-        })
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------- the run
-
-
-def _save(out_dir: Path, report: dict, rows: list[dict]) -> None:
-    (out_dir / "engine_report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out_dir / "engine.json").write_text(json.dumps(rows, indent=1))
-    (out_dir / "engine.md").write_text(table(rows) + "\n")
+            "eager": eager, "fault": fault, "fi_site": fi_site, "shims": args.shims, "instruments": instruments,
+            "record_rows": record_rows, "force_mqa": not ew.flash_attention_present(),
+            "capture_sizes": list(args.capture_sizes),
+            "gpu_memory_utilization": gpu_memory_utilization or args.gpu_memory_utilization}
 
 
 def _engine_summary(engine: EngineProcess) -> dict[str, Any]:
@@ -423,78 +208,130 @@ def _engine_summary(engine: EngineProcess) -> dict[str, Any]:
     return info
 
 
-def _record(name: str, got: dict, summary: dict, logprobs: dict) -> None:
-    logprobs[name] = got.pop("logprobs")
-    summary.setdefault("checks", {})[name] = got
+# ---------------------------------------------------------------------------------------------------- the check
 
 
-def _checks(engines: dict[str, EngineProcess], prompts, traces, summary: dict, logprobs: dict) -> None:
-    for name, engine in engines.items():
-        try:
-            _record(name, engine.call("check", prompts=prompts, traces=traces), summary, logprobs)
-        except RuntimeError as e:
-            summary.setdefault("errors", {})[name] = str(e)[:4000]
+class Workload:
+    """One seed's prompts and traces, and the reference's and the denominator's recordings once they ran."""
+
+    def __init__(self, seed: int, requests: int, steps: int) -> None:
+        self.seed, self.steps = seed, steps
+        self.prompts, self.traces = check_workload(seed, requests, steps)
+        self.prompt_lens = [len(p) for p in self.prompts]
+        self.logprobs: dict[str, Any] = {}
+        self.layer0: dict[str, Any] = {}
 
 
-def _switched_checks(engine: EngineProcess, label: str, switches: list[tuple[str, str, dict]], prompts, traces,
-                     summary: dict, logprobs: dict) -> None:
-    """One eager engine beside the timed two, checked once per switch (the name its log-probabilities go under, the
-    command that sets it and its arguments), then stopped."""
+def digest(tensor: Any) -> str:
+    """sha256 of a tensor's bytes: engines of two device calls compare only where their references are the same."""
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def measure(name: str, got: dict[str, Any], work: Workload) -> dict[str, Any]:
+    """One engine's check (engine_worker's `check` answer) against the workload's reference and, where it ran, the
+    denominator: per request the mean KL from FLASHMLA_SPARSE and layer 0's relative L2 against each."""
+    logprobs = got.pop("logprobs")
+    recorded = got.pop("layer0")
+    out: dict[str, Any] = {"logprobs_sha256": digest(logprobs), **got}
+    layer0 = None
+    if recorded is not None:
+        layer0, dropped = ec.layer0_by_step(recorded["rows"], recorded["positions"], work.prompt_lens, work.steps)
+        out["layer0_rows"] = {"recorded": int(recorded["rows"].shape[0]), "off_step": dropped,
+                              "overflow": recorded["overflow"]}
+    if name in (FLASHMLA, SAME_INPUTS):
+        work.logprobs[name], work.layer0[name] = logprobs, layer0
+    reference = work.logprobs[FLASHMLA] if name != FLASHMLA else logprobs
+    kl = ec.step_kl(reference, logprobs)
+    out["kl"], out["missing_steps"] = ec.request_means(kl)
+    out["kl_steps"] = [[round(float(v), 6) for v in row] for row in kl]
+    for key, ref in (("layer0", FLASHMLA), ("layer0_same_inputs", SAME_INPUTS)):
+        if layer0 is not None and work.layer0.get(ref) is not None:
+            out[key], out[f"{key}_missing_steps"] = ec.layer0_errors(work.layer0[ref], layer0)
+    return out
+
+
+def _check_engine(engine: EngineProcess, label: str, switches: list[tuple[str, dict[str, Any]]],
+                  works: list[Workload], summary: dict[str, Any]) -> None:
+    """One engine: each switch (the name its recordings go under, and the commands setting it) checked on every
+    workload, then the engine stopped."""
     summary["engines"][label] = _engine_summary(engine)
     try:
-        for name, command, kwargs in switches:
+        for name, commands in switches:
             if engine.error:
+                summary.setdefault("errors", {})[name] = engine.error["error"][:4000]
                 break
-            engine.call(command, **kwargs)
-            _record(name, engine.call("check", prompts=prompts, traces=traces), summary, logprobs)
+            for command, kwargs in commands.items():
+                engine.call(command, **kwargs)
+            for work in works:
+                got = engine.call("check", prompts=work.prompts, traces=work.traces)
+                summary["seeds"][str(work.seed)]["measured"][name] = measure(name, got, work)
     except RuntimeError as e:
         summary.setdefault("errors", {})[label] = str(e)[:4000]
     finally:
         engine.stop()
 
 
-def _fault_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespace, prompts, traces, summary: dict,
-                  logprobs: dict) -> None:
-    """This backend in an eager engine, unfaulted ("eager:none", a correct engine) then with each planted fault."""
-    faulty = EngineProcess(engine_spec(out_dir, f"h{heads}_faults", model, OURS, heads, args, eager=True, faults=True,
-                                       side=True))
-    switches = [(f"eager:{mode}", "set_fault", {"mode": mode}) for mode in ("none", *ew.FAULTS)]
-    _switched_checks(faulty, "faults", switches, prompts, traces, summary, logprobs)
+def check_engines(faults: list[str], fi_site: str | None) -> list[tuple[str, str, dict[str, Any], list]]:
+    """(label, backend, spec options, switches) of every engine of a check, in the order they run: the reference
+    first, FlashInfer (the denominator) second, then this backend and each fault."""
+    plan: list[tuple[str, str, dict[str, Any], list]] = [("flashmla", FLASHMLA, {}, [(FLASHMLA, {})])]
+    if fi_site:
+        off = {"set_query_rounding": {"on": False}, "set_key_order": {"reversed_": False}}
+        plan.append(("fi_sm90", FLASHINFER_SM90, {"eager": True, "fi_site": fi_site}, [
+            (FLASHINFER_SM90, off),
+            (SAME_INPUTS, {**off, "set_query_rounding": {"on": True}}),
+            (KEYS_REVERSED, {"set_query_rounding": {"on": True}, "set_key_order": {"reversed_": True}})]))
+    plan.append(("ours", OURS, {}, [(OURS, {})]))
+    plan += [(f"fault_{f}", OURS, {"fault": f}, [(ec.FAULT_PREFIX + f, {})]) for f in faults]
+    return plan
 
 
-def _flashinfer_checks(out_dir: Path, model: Path, heads: int, args: argparse.Namespace, prompts, traces,
-                       summary: dict, logprobs: dict) -> None:
-    """vLLM's FLASHINFER_MLA_SPARSE_SM90 in an eager engine: on its own BF16 query, then on this backend's query
-    (engine_worker.QueryRounding)."""
-    fi = EngineProcess(engine_spec(out_dir, f"h{heads}_fi_sm90", model, FLASHINFER_SM90, heads, args, eager=True,
-                                   fi_site=args.fi_site, side=True))
-    switches = [(name, "set_query_rounding", {"on": on})
-                for name, on in ((FLASHINFER_SM90, False), (SAME_INPUTS, True))]
-    _switched_checks(fi, FLASHINFER_SM90, switches, prompts, traces, summary, logprobs)
+def smoke_verdict(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A smoke test's verdict: every engine followed the trace, recorded every step with finite KL, and ran its own
+    backend (its impl's forward_mqa counted rows, this backend's FlashInferCore.decode too)."""
+    own = {OURS: ("KimiDSAFlashInferMLASparseImpl.forward_mqa", "FlashInferCore.decode"),
+           FLASHMLA: ("FlashMLASparseImpl.forward_mqa",),
+           FLASHINFER_SM90: ("FlashInferMLASparseSM90Impl.forward_mqa",)}
+    out = {}
+    for name, m in measured.items():
+        backend = OURS if name == OURS or name.startswith(ec.FAULT_PREFIX) else \
+            FLASHINFER_SM90 if name.startswith(FLASHINFER_SM90) else FLASHMLA
+        counted = all(m.get("coverage", {}).get(c, {}).get("rows", 0) > 0 for c in own[backend])
+        finite = all(math.isfinite(v) for v in m["kl"])
+        out[name] = {"passes": m["tokens_follow_trace"] and m["missing_steps"] == 0 and finite and counted,
+                     "tokens_follow_trace": m["tokens_follow_trace"], "missing_steps": m["missing_steps"],
+                     "kl_finite": finite, "own_backend_counted": counted}
+    return {"kind": "smoke", "engines": out, "ok": bool(out) and all(v["passes"] for v in out.values())}
 
 
-def run(args: argparse.Namespace) -> int:
+def judge_seed(measured: dict[str, dict[str, Any]], seed: int, judged: bool) -> dict[str, Any]:
+    """One seed's statistics (engine_check) and verdicts: at the module's bounds when the check is judged, a smoke
+    test's otherwise. Without the denominator (FlashInfer not carried) nothing is judged and the seed fails."""
+    if not judged:
+        return {"verdicts": smoke_verdict(measured)}
+    if SAME_INPUTS not in measured or FLASHMLA not in measured:
+        return {"verdicts": {"kind": "check", "ok": False,
+                             "judged": f"nothing: the check needs {FLASHMLA} and {SAME_INPUTS} (FlashInfer carried, "
+                                       "--fi-site); no other pair stands in for them"}}
+    stats = ec.engine_statistics({n: m for n, m in measured.items() if n != FLASHMLA}, seed=seed)
+    missing = {n: m["missing_steps"] for n, m in measured.items()}
+    return {"statistics": stats, "verdicts": {"kind": "check", **ec.verdicts(stats, ec.module_bounds(), missing)}}
+
+
+def run_check(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    judged = args.layers == CHECK_LAYERS
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "bounds": module_bounds(), "bound_factor": BOUND_FACTOR, "most": MOST,
-        "query_gain": ew.QUERY_GAIN, "faults": ew.FAULTS, "check_requests": args.check_requests,
-        "check_steps": args.check_steps, "check_context": list(CHECK_CONTEXT), "layers": args.layers, "heads": {},
+        "kind": "check" if judged else "smoke", "layers": args.layers, "seeds": args.seeds, "faults": args.faults,
+        "bounds": ec.module_bounds(), "requests": args.check_requests, "steps": args.check_steps,
+        "context": list(CHECK_CONTEXT), "query_gain": ew.QUERY_GAIN, "heads": {},
     }
-    rows: list[dict] = []
-    if args.shims:  # decided once here; the engines (and vLLM's own child processes) apply the same shims
+    if args.shims:
         report["shims"] = ew.install_device_shims()
-    copy_gbps = None
-    if args.requests:
-        import torch
-        from vllm_kimi_dsa.timing import ceilings
-
-        report["ceilings"] = ceilings(torch.device("cuda"), quick=True)
-        copy_gbps = report["ceilings"]["copy_GBps"]
-        torch.cuda.empty_cache()
-    prompts, traces = check_workload(args.check_requests, args.check_steps)
+    record_rows = 2 * args.check_requests * args.check_steps + 1024
     ok = True
     for heads in args.heads:
         if time.monotonic() - start > args.budget:
@@ -502,9 +339,176 @@ def run(args: argparse.Namespace) -> int:
             ok = False
             continue
         model = write_model(out_dir / f"model_h{heads}", heads, args.layers)
-        summary: dict[str, Any] = report["heads"].setdefault(heads, {})
-        logprobs: dict[str, Any] = {}
-        engines = {name: EngineProcess(engine_spec(out_dir, f"h{heads}_{label}", model, name, heads, args))
+        works = [Workload(seed, args.check_requests, args.check_steps) for seed in args.seeds]
+        summary: dict[str, Any] = {"engines": {}, "seeds": {str(w.seed): {"measured": {}} for w in works}}
+        report["heads"][heads] = summary
+        for label, backend, options, switches in check_engines(args.faults, args.fi_site):
+            spec = engine_spec(out_dir, f"h{heads}_{label}", model, backend, heads, args, record_rows=record_rows,
+                               **options)
+            _check_engine(EngineProcess(spec), label, switches, works, summary)
+            _save(out_dir / "engine_check.json", report)
+        for work in works:
+            seed = summary["seeds"][str(work.seed)]
+            seed.update(judge_seed(seed["measured"], work.seed, judged))
+            ok &= bool(seed["verdicts"]["ok"]) or seed["verdicts"]["ok"] is None
+        ok &= not summary.get("errors") and not any(e.get("error") for e in summary["engines"].values())
+        _save(out_dir / "engine_check.json", report)
+    print(json.dumps(check_lines(report), indent=1))
+    return 0 if ok else 1
+
+
+def check_lines(report: dict[str, Any]) -> dict[str, Any]:
+    """The short form of a check report: per heads and seed, each engine's ratios (interval) and the verdict."""
+    out: dict[str, Any] = {"kind": report["kind"], "bounds": report["bounds"]}
+    for heads, s in report["heads"].items():
+        per_seed = {}
+        for seed, data in s.get("seeds", {}).items():
+            stats = data.get("statistics", {})
+            per_seed[seed] = {
+                "ratios": {n: {k: round(v[f"{k}_interval"]["ratio"], 3) for k in ("kl", "layer0")
+                               if f"{k}_interval" in v} for n, v in stats.items()},
+                "ok": data.get("verdicts", {}).get("ok"),
+                "bounds_from_null_pairs": data.get("verdicts", {}).get("bounds_from_null_pairs")}
+        out[str(heads)] = {"seeds": per_seed, "errors": {k: v[:300] for k, v in s.get("errors", {}).items()}}
+    return out
+
+
+def bounds_from_report(report: dict[str, Any], heads: int | None = None, calibration: int = ec.CALIBRATION_SEED,
+                       validation: int = ec.VALIDATION_SEED) -> dict[str, Any]:
+    """What a check report gives for the bounds: set_bounds on the calibration seed's statistics (the null pairs
+    alone), validate on the validation seed's, with the faults that ran."""
+    if report.get("kind") != "check":
+        raise ValueError(f"report is a {report.get('kind')!r} run; the bounds come from a judged (one-layer) check")
+    heads_key = str(heads) if heads is not None else next(iter(report["heads"]))
+    seeds = report["heads"][heads_key]["seeds"]
+    for seed in (calibration, validation):
+        if "statistics" not in seeds.get(str(seed), {}):
+            raise ValueError(f"report holds no statistics of seed {seed} at {heads_key} heads")
+    bounds = ec.set_bounds(seeds[str(calibration)]["statistics"])
+    check = ec.validate(seeds[str(validation)]["statistics"], bounds, report["faults"])
+    return {"heads": int(heads_key), "calibration_seed": calibration, "validation_seed": validation,
+            "bounds": bounds, "validation": check}
+
+
+def _save(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+# ---------------------------------------------------------------------------------------------------- the timing
+
+
+def attention_floor_us(lengths: list[int], backend: str, layers: int, copy_gbps: float | None) -> float | None:
+    """µs a decode step's attention needs at least: every selected KV row (min(context, TOPK) a request, each layer,
+    in the backend's own row format) moved once at the machine's measured copy rate (timing.ceilings: bytes read +
+    written a second), as the suite's floors count bytes."""
+    if not copy_gbps or backend not in et.ROW_BYTES:
+        return None
+    rows = sum(min(n, TOPK) for n in lengths) * layers
+    return rows * et.ROW_BYTES[backend] / (copy_gbps * 1e9) * 1e6
+
+
+def point_tokens(requests: int, mix: str, windows: int, steps: int) -> tuple[list[int], int]:
+    """A timing point's prompt lengths and its requests' max_tokens, refused when they pass max_model_len."""
+    lengths = context_lengths(mix, requests, seed=1000 + requests)
+    tokens = et.batch_tokens(lengths, windows, steps, WARMUP, ew.MAX_NUM_BATCHED_TOKENS)
+    if max(lengths) + tokens > ew.MAX_MODEL_LEN:
+        raise ValueError(f"windows x steps ({windows} x {steps}) at {mix} need {max(lengths) + tokens} tokens a "
+                         f"request, past max_model_len {ew.MAX_MODEL_LEN}")
+    return lengths, tokens
+
+
+def time_point(engines: dict[str, EngineProcess], heads: int, layers: int, requests: int, mix: str,
+               args: argparse.Namespace, copy_gbps: float | None) -> list[dict[str, Any]]:
+    """One (heads, requests, mix) point on both engines: the same prompts prefilled in each, then `windows` timed
+    windows each, in turn, and one profiled window each; one row per backend."""
+    lengths, tokens = point_tokens(requests, mix, args.windows, args.steps)
+    prompts = random_tokens(lengths, seed=2000 + requests)
+    names = list(engines)
+    prefill = {n: engines[n].call("start_batch", prompts=prompts, tokens=tokens, warmup=WARMUP) for n in names}
+    windows: dict[str, list[dict]] = {n: [] for n in names}
+    try:
+        for rep in range(args.windows):
+            for n in (names if rep % 2 == 0 else names[::-1]):
+                windows[n].append(engines[n].call("decode_window", steps=args.steps))
+        profiled = {n: engines[n].call("decode_window", steps=args.steps, profile=True) for n in names}
+    finally:
+        for n in names:
+            engines[n].call("end_batch")
+    kernels = {n: et.classify(profiled[n]["kernels_us"], profiled[n]["steps"], n, heads) for n in names}
+    unmatched = et.unmatched_other(*(kernels[n]["kernels"] for n in names)) if len(names) == 2 else []
+    rows = []
+    for n in names:
+        every = [*windows[n], profiled[n]]
+        step_us = [w["seconds"] / w["steps"] * 1e6 for w in windows[n]]
+        spans = [s for w in windows[n] for s in w["step_gpu_span_us"]]
+        median = statistics.median(step_us)
+        gpu = kernels[n]
+        floor = attention_floor_us(lengths, n, layers, copy_gbps)
+        fraction = floor / gpu["attention_us"] if floor and gpu["attention_us"] else None
+        sm_clocks = [int(g["clocks.sm"]) for w in windows[n] for g in w["clocks"].get("gpus", [])
+                     if g.get("clocks.sm", "").isdigit()]
+        rows.append({
+            "backend": n, "heads": heads, "layers": layers, "requests": requests, "context_mix": mix,
+            "decode_step_us": round(median, 2), "gpu_span_us": round(statistics.median(spans), 2) if spans else 0.0,
+            "kernel_us": round(gpu["kernel_us"], 2), "attention_us": round(gpu["attention_us"], 2),
+            "tokens_per_s": round(requests / (median * 1e-6), 1), "gpu": engines[n].info.get("gpu"),
+            "prefill_path": engines[n].info.get("prefill_path"),
+            "decode_step_us_windows": [round(v, 2) for v in step_us],
+            "decode_step_spread": round((max(step_us) - min(step_us)) / median, 4),
+            "window_gpu_span_us": [round(w["window_gpu_span_us"], 1) for w in windows[n]],
+            "by_class_us": gpu["by_class_us"], "kernels": gpu["kernels"], "unmatched_other": unmatched,
+            "attention_floor_us": None if floor is None else round(floor, 2),
+            "attention_floor_fraction": None if fraction is None else round(fraction, 3),
+            **et.window_checks(every, requests, fraction),
+            "sm_clock_mhz": [min(sm_clocks), max(sm_clocks)] if sm_clocks else None,
+            "clocks_first_last": [windows[n][0]["clocks"], windows[n][-1]["clocks"]],
+            "prompt_tokens": sum(lengths), "max_tokens": tokens, "prefill_s": round(prefill[n]["prefill_s"], 3),
+        })
+    return rows
+
+
+def timing_layers(args: argparse.Namespace, heads: int, card_bytes: int | None) -> dict[str, Any]:
+    """The timed model's layers: args.layers, or (auto) engine_timing.fit_layers for the largest point's tokens."""
+    tokens = max(sum(lengths) + requests * n_tokens for requests in args.requests for mix in args.mixes
+                 for lengths, n_tokens in [point_tokens(requests, mix, args.windows, args.steps)])
+    if args.layers != "auto":
+        return {"layers": int(args.layers), "tokens": tokens, "gpu_memory_utilization": args.gpu_memory_utilization}
+    if card_bytes is None:
+        raise ValueError("--layers auto needs the card's memory (a CUDA device)")
+    return et.fit_layers(model_config(heads, 1), card_bytes, tokens)
+
+
+def run_time(args: argparse.Namespace) -> int:
+    import torch
+    from vllm_kimi_dsa.timing import ceilings
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "windows": args.windows, "steps": args.steps, "warmup": WARMUP, "heads": {},
+        "attention_kernels": {b: [[c, p.pattern] for c, p in et.ATTENTION_KERNELS[b]] for b in et.ATTENTION_KERNELS},
+    }
+    if args.shims:
+        report["shims"] = ew.install_device_shims()
+    report["ceilings"] = ceilings(torch.device("cuda"), quick=True)
+    report["clocks_before"] = ew.gpu_clocks()
+    card_bytes = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    rows: list[dict] = []
+    ok = True
+    for heads in args.heads:
+        if time.monotonic() - start > args.budget:
+            report["heads"][heads] = {"skipped": f"past the budget of {args.budget} s"}
+            ok = False
+            continue
+        size = timing_layers(args, heads, card_bytes)
+        summary: dict[str, Any] = report["heads"].setdefault(heads, {"model": size})
+        model = write_model(out_dir / f"model_h{heads}", heads, size["layers"])
+        engines = {name: EngineProcess(engine_spec(out_dir, f"h{heads}_{label}", model, name, heads, args,
+                                                   instruments=False,
+                                                   gpu_memory_utilization=size["gpu_memory_utilization"]))
                    for name, label in ((OURS, "ours"), (FLASHMLA, "flashmla"))}
         summary["engines"] = {n: _engine_summary(e) for n, e in engines.items()}
         try:
@@ -512,90 +516,42 @@ def run(args: argparse.Namespace) -> int:
                 ok = False
                 continue
             configs = {n: {k: e.info["config"][k] for k in ("max_num_seqs", "capture_sizes", "cudagraph_mode",
-                                                           "compilation_mode", "async_scheduling")}
+                                                           "compilation_mode", "async_scheduling",
+                                                           "num_hidden_layers")}
                        for n, e in engines.items()}
             summary["same_engine_config"] = configs[OURS] == configs[FLASHMLA]
-            if heads in args.check_heads:  # correctness first: the other engines start beside these two
-                _checks(engines, prompts, traces, summary, logprobs)
-                if heads in args.fault_heads:
-                    _fault_checks(out_dir, model, heads, args, prompts, traces, summary, logprobs)
-                if heads in args.fi_heads and args.fi_site:
-                    _flashinfer_checks(out_dir, model, heads, args, prompts, traces, summary, logprobs)
-                ok &= _verdicts(summary, logprobs)
-            _save(out_dir, report, rows)
             for requests in args.requests:
                 for mix in args.mixes:
+                    if time.monotonic() - start > args.budget:
+                        summary.setdefault("skipped", []).append(f"{requests}x{mix}")
+                        ok = False
+                        continue
                     try:
-                        rows.extend(time_point(engines, heads, requests, mix, args, copy_gbps))
+                        point = time_point(engines, heads, size["layers"], requests, mix, args,
+                                           report["ceilings"]["copy_GBps"])
+                        rows.extend(point)
+                        ok &= all(r["full_batch"] for r in point)
                     except RuntimeError as e:
                         summary.setdefault("errors", {})[f"{requests}x{mix}"] = str(e)[:4000]
                         ok = False
-                    _save(out_dir, report, rows)
+                    _save_timing(out_dir, report, rows)
         finally:
             for e in engines.values():
                 e.stop()
-        _save(out_dir, report, rows)
-    per_heads = [s["measured_bounds"] for s in report["heads"].values() if s.get("measured_bounds")]
-    report["measured_bounds"] = {k: max(b[k] for b in per_heads if k in b) for k in ("format", "same_inputs")
-                                 if any(k in b for b in per_heads)}
-    _save(out_dir, report, rows)
-    print(table(rows))
-    print(json.dumps(verdict_lines(report), indent=1))
+        _save_timing(out_dir, report, rows)
+    report["clocks_after"] = ew.gpu_clocks()
+    _save_timing(out_dir, report, rows)
+    print(et.table(rows))
     return 0 if ok else 1
 
 
-def _verdicts(summary: dict, logprobs: dict) -> bool:
-    """Every comparison of the engines that ran (comparisons), the bounds their spreads give, and the verdicts at the
-    module's bounds (assess) and at the measured ones: this backend must pass, every planted fault must be caught."""
-    if FLASHMLA not in logprobs or OURS not in logprobs:
-        summary["verdicts"] = {"missing": "no log-probabilities of FLASHMLA_SPARSE or of this backend"}
-        return False
-    summary["compare"] = comparisons(logprobs)
-    summary["measured_bounds"] = measured_bounds(summary["compare"])
-    summary["verdicts"] = assess(summary["compare"])
-    summary["verdicts_at_measured_bounds"] = assess(summary["compare"], summary["measured_bounds"])
-    return all(v["passes"] for v in summary["verdicts"].values() if not v.get("informational"))
+def _save_timing(out_dir: Path, report: dict[str, Any], rows: list[dict]) -> None:
+    _save(out_dir / "engine_report.json", report)
+    _save(out_dir / "engine.json", rows)
+    (out_dir / "engine.md").write_text(et.table(rows) + "\n")
 
 
-def verdict_lines(report: dict) -> dict:
-    """The short form of the report: per heads, each comparison's max / p50 difference and its verdict."""
-    out: dict[str, Any] = {"bounds": module_bounds()}
-    for heads, s in report["heads"].items():
-        lines = {name: {"max": round(c["max"], 4), "p50": round(c["p50"], 4)}
-                 for name, c in s.get("compare", {}).items()}
-        for name, v in s.get("verdicts", {}).items():
-            lines.setdefault(name, {}).update(passes=v["passes"], over_bound=round(v["over_bound"], 3))
-        out[str(heads)] = {"compare": lines, "measured_bounds": s.get("measured_bounds")}
-        if s.get("errors"):
-            out[str(heads)]["errors"] = {k: v[:300] for k, v in s["errors"].items()}
-    return out
-
-
-def table(rows: list[dict]) -> str:
-    """Markdown: per (heads, requests, mix), both backends' wall µs and GPU µs a decode step, attention µs a step
-    (its floor fraction), the ratios ours / FlashMLA of attention, wall tokens/s and GPU-bound tokens/s (requests /
-    GPU µs: what a step whose GPU work outlasts the engine's CPU work gives), and whether every window was pure
-    decode."""
-    by = {(r["heads"], r["requests"], r["context_mix"], r["backend"]): r for r in rows}
-    lines = ["| heads | requests | contexts | wall µs a step, ours / FlashMLA | GPU µs a step | attention µs (floor "
-             "fraction) | attention ratio | tokens/s ratio (wall) | tokens/s ratio (GPU-bound) | pure decode |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for heads, requests, mix in sorted({k[:3] for k in by}):
-        a, b = by.get((heads, requests, mix, OURS)), by.get((heads, requests, mix, FLASHMLA))
-        if not a or not b:
-            continue
-
-        def frac(r: dict) -> str:
-            return f" ({r['attention_floor_fraction']:.2f})" if r.get("attention_floor_fraction") else ""
-
-        pure = "yes" if a["pure_decode"] and b["pure_decode"] else "no (batch shrank)"
-        lines.append(
-            f"| {heads} | {requests} | {mix} | {a['decode_step_us']:.0f} / {b['decode_step_us']:.0f} | "
-            f"{a['gpu_us']:.0f} / {b['gpu_us']:.0f} | {a['attention_us']:.0f}{frac(a)} / {b['attention_us']:.0f}"
-            f"{frac(b)} | {a['attention_us'] / b['attention_us']:.2f}x | "
-            f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
-            f"{b['gpu_us'] / a['gpu_us']:.2f}x | {pure} |")
-    return "\n".join(lines)
+# ---------------------------------------------------------------------------------------------------- the command line
 
 
 def _ints(text: str) -> list[int]:
@@ -606,31 +562,55 @@ def _words(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def _faults(text: str) -> list[str]:
+    names = list(ew.FAULTS) if text == "all" else _words(text)
+    unknown = [n for n in names if n not in ew.FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"faults {unknown} are none of {sorted(ew.FAULTS)}")
+    return names
+
+
+def _layers(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="the check, the negative controls and the decode timing, engine by engine")
-    p.add_argument("--out", required=True)
-    p.add_argument("--heads", type=_ints, default=[16, 64, 128])
-    p.add_argument("--requests", type=_ints, default=list(REQUESTS), help="timed batch sizes ('' : no timing)")
-    p.add_argument("--mixes", type=_words, default=list(MIXES))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=32, help="decode steps a timed window")
-    p.add_argument("--check-heads", type=_ints, default=[16, 64, 128])
-    p.add_argument("--fault-heads", type=_ints, default=[16])
-    p.add_argument("--fi-heads", type=_ints, default=[16])
-    p.add_argument("--fi-site", default=os.environ.get("KIMI_DSA_FI_SITE"),
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", required=True)
+    common.add_argument("--heads", type=_ints, default=[16])
+    common.add_argument("--capture-sizes", type=_ints, default=list(CAPTURE_SIZES))
+    common.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    common.add_argument("--budget", type=float, default=math.inf, help="seconds: nothing new starts past it")
+    common.add_argument("--shims", action="store_true", help="tools/vllm_device_shims.py first (the device)")
+    c = sub.add_parser("check", parents=[common], help="the check: every engine on forced traces, one at a time")
+    c.add_argument("--layers", type=int, default=CHECK_LAYERS,
+                   help=f"{CHECK_LAYERS}: the judged check; more: a smoke test")
+    c.add_argument("--seeds", type=_ints, default=[ec.CALIBRATION_SEED, ec.VALIDATION_SEED])
+    c.add_argument("--faults", type=_faults, default=list(ew.FAULTS), help="'all', or a comma list ('' : none)")
+    c.add_argument("--fi-site", default=os.environ.get("KIMI_DSA_FI_SITE"),
                    help="FlashInfer's site (tools/device_run.sh --fi unpacks .carry/fi and sets $KIMI_DSA_FI_SITE)")
-    p.add_argument("--check-requests", type=int, default=CHECK_REQUESTS)
-    p.add_argument("--check-steps", type=int, default=CHECK_STEPS)
-    p.add_argument("--capture-sizes", type=_ints, default=list(CAPTURE_SIZES))
-    p.add_argument("--layers", type=int, default=LAYERS,
-                   help="DSA layers of the model (1: no layer re-rounds another's output into its FP8 cache)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--budget", type=float, default=math.inf, help="seconds: no new head count starts past it")
-    p.add_argument("--shims", action="store_true", help="tools/vllm_device_shims.py first (the device)")
+    c.add_argument("--check-requests", type=int, default=CHECK_REQUESTS)
+    c.add_argument("--check-steps", type=int, default=CHECK_STEPS)
+    t = sub.add_parser("time", parents=[common], help="decode timing of this backend and FLASHMLA_SPARSE")
+    t.add_argument("--layers", type=_layers, default="auto", help="'auto': as many as the card holds (at most 61)")
+    t.add_argument("--requests", type=_ints, default=list(REQUESTS))
+    t.add_argument("--mixes", type=_words, default=list(MIXES))
+    t.add_argument("--windows", type=int, default=WINDOWS)
+    t.add_argument("--steps", type=int, default=STEPS, help="decode steps a timed window")
+    b = sub.add_parser("bounds", help="the bounds a check report's null pairs give, validated (no GPU)")
+    b.add_argument("report")
+    b.add_argument("--heads", type=int, default=None)
     args = parser.parse_args(argv)
-    return run(args)
+    if args.command == "check":
+        return run_check(args)
+    if args.command == "time":
+        if args.windows < 10 or args.steps < 64:
+            parser.error("time needs --windows >= 10 and --steps >= 64")
+        return run_time(args)
+    print(json.dumps(bounds_from_report(json.loads(Path(args.report).read_text()), args.heads), indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ in every engine, so no earlier layer's rounding enters it.
 
 **The bounds, and how they are set** (`set_bounds`; the constants KL_BOUND and LAYER0_BOUND):
 - Only pairs without this backend set them (NULL_PAIRS): FLASHINFER_MLA_SPARSE_SM90 on its own BF16 query, and
-  FLASHINFER_MLA_SPARSE_SM90 on this backend's query with every row's selected keys read in reverse order (KEYS_REVERSED:
-  the same attention, another summation order). Each is a correct engine; its r_i is what a correct kernel shows.
+  FLASHINFER_MLA_SPARSE_SM90 on this backend's query with every row's selected keys read in reverse order
+  (KEYS_REVERSED: the same attention, another summation order). Each is a correct engine; its r_i is what a
+  correct kernel shows.
 - A bound is BOUND_FACTOR x the largest r_i of those pairs over the requests of the calibration seed
   (CALIBRATION_SEED's workload), rounded up to two significant digits.
 - It is validated on VALIDATION_SEED's workload, which never sets it (`validate`): every null pair within the bounds on
@@ -90,6 +91,37 @@ def request_means(values: torch.Tensor) -> tuple[list[float], int]:
     counts = recorded.sum(-1)
     means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, math.nan))
     return [float(v) for v in means], int((~recorded).sum())
+
+
+def layer0_by_step(rows: torch.Tensor, positions: torch.Tensor, prompt_lens: Sequence[int],
+                   steps: int) -> tuple[torch.Tensor, int]:
+    """Recorded layer-0 rows placed by request and decode step.
+
+    rows: (n, heads, 512) in the order written; positions: (n,) each row's token position. A request with a prompt
+    of L tokens computes decode step t (1..steps) at position L + t - 1; prompt lengths must keep those positions
+    apart (check_workload spaces them). A position written twice keeps its last row (a padded row of a captured
+    batch can write a position before its request reaches it). Returns (requests, steps, heads * 512) float32, NaN
+    where nothing was recorded, and the number of rows that fell on no decode step.
+    """
+    if rows.shape[0] != positions.shape[0]:
+        raise ValueError(f"rows has {rows.shape[0]} rows, positions {positions.shape[0]}")
+    starts = sorted((length, i) for i, length in enumerate(prompt_lens))
+    for (a, _), (b, _) in zip(starts, starts[1:]):
+        if b - a < steps + 1:
+            raise ValueError(f"prompt_lens {a} and {b} are closer than steps + 1 = {steps + 1}: positions collide")
+    lengths = torch.tensor([length for length, _ in starts], dtype=torch.int64)
+    owners = torch.tensor([i for _, i in starts], dtype=torch.int64)
+    width = rows[0].numel() if rows.shape[0] else 0
+    out = torch.full((len(prompt_lens), steps, width), math.nan)
+    if not rows.shape[0]:
+        return out, 0
+    where = torch.searchsorted(lengths, positions.long(), right=True) - 1
+    step = positions.long() - lengths[where.clamp(min=0)] + 1
+    valid = (where >= 0) & (step >= 1) & (step <= steps)
+    flat = rows.reshape(rows.shape[0], -1).float()
+    for j in torch.nonzero(valid).flatten().tolist():  # in write order: a later row replaces an earlier one
+        out[owners[where[j]], step[j] - 1] = flat[j]
+    return out, int((~valid).sum())
 
 
 def layer0_errors(reference: torch.Tensor, other: torch.Tensor) -> tuple[list[float], int]:
@@ -251,5 +283,5 @@ def validate(statistics: Mapping[str, Mapping[str, Any]], bounds: Mapping[str, f
 
 __all__ = ["BOUND_FACTOR", "CALIBRATION_SEED", "CAUGHT_MARGIN", "FAULT_PREFIX", "KEYS_REVERSED", "KL_BOUND",
            "LAYER0_BOUND", "NULL_PAIRS", "PASS_FRACTION", "SAME_INPUTS", "VALIDATION_SEED", "engine_statistics",
-           "judge_engine", "layer0_errors", "module_bounds", "ratio_interval", "ratios", "request_means", "round_up",
-           "set_bounds", "step_kl", "validate", "verdicts"]
+           "judge_engine", "layer0_by_step", "layer0_errors", "module_bounds", "ratio_interval", "ratios",
+           "request_means", "round_up", "set_bounds", "step_kl", "validate", "verdicts"]

@@ -62,6 +62,20 @@ def test_layer0_errors_are_the_relative_l2_over_the_steps_both_recorded():
     assert errors[0] == pytest.approx(((other[0] - ref[0]).norm() / ref[0].norm()).item(), rel=1e-5)
 
 
+def test_layer0_rows_are_placed_by_position_and_a_later_row_replaces_an_earlier_one():
+    """Prompts of 100 and 200 tokens, 3 decode steps: step t of a request sits at position len + t - 1. A padded row
+    of a captured batch writes a position early; the step's own row, written later, replaces it."""
+    rows = torch.arange(7 * 2 * 4, dtype=torch.float32).reshape(7, 2, 4)
+    positions = torch.tensor([100, 99, 201, 102, 100, 200, 500])  # 99: the prompt's last token; 500: past the steps
+    placed, dropped = ec.layer0_by_step(rows, positions, [200, 100], steps=3)
+    assert placed.shape == (2, 3, 8) and dropped == 2
+    assert torch.equal(placed[1, 0], rows[4].flatten())  # position 100 written twice: the later row
+    assert torch.equal(placed[1, 2], rows[3].flatten()) and torch.equal(placed[0, 1], rows[2].flatten())
+    assert torch.equal(placed[0, 0], rows[5].flatten()) and torch.isnan(placed[1, 1]).all()
+    with pytest.raises(ValueError, match="collide"):
+        ec.layer0_by_step(rows, positions, [100, 103], steps=3)
+
+
 def test_the_bootstrap_interval_is_seeded_and_brackets_the_ratio():
     g = torch.Generator().manual_seed(4)
     den = (1.0 + torch.rand(64, generator=g)).tolist()
@@ -92,6 +106,8 @@ def test_the_bounds_come_from_the_null_pairs_alone():
     stats[ec.OURS] = _stats([0.1, 0.1], [0.1, 0.1])
     del stats["fault:half_topk"]
     assert ec.set_bounds(stats) == bounds
+    stats[ec.FLASHINFER_SM90] = _stats([1.2, 1.3], [0.6, 0.7])  # now the BF16-query pair sets the KL bound
+    assert ec.set_bounds(stats) == {"kl": 2.0, "layer0": 1.7}
     with pytest.raises(ValueError, match="null pairs"):
         ec.set_bounds({ec.OURS: _stats([1.0])})
 

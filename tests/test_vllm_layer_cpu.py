@@ -300,30 +300,42 @@ def test_seeded_loader_on_vllms_attention_layer(tmp_path, engine_worker):
     assert float(param) == engine_worker.SCALE_NOT_LOADED
 
 
-def test_engine_faults_counters_and_probe_on_vllms_layer(tmp_path, engine_worker):
-    """The engine benchmark's instruments through vLLM's layer in the interpreter: every planted fault moves the
-    layer's output far past its rounding, and switching back to none gives the unfaulted output bit for bit (the
-    softmax-scale fault's step rebuilt at the real scale); the device counters count this backend's forward_mqa and
-    core calls and their rows; the logit probe samples the eager calls."""
+def test_engine_faults_counters_probe_and_layer0_record_on_vllms_layer(tmp_path, engine_worker):
+    """The engine benchmark's instruments through vLLM's layer in the interpreter, on a batch of two decodes and a
+    130-token prefill chunk: every planted fault moves the decode rows far past their rounding and leaves the prefill
+    rows bit for bit as they were (decode only); with none the layer is as unfaulted; the device counters count this
+    backend's forward_mqa and core calls and their rows; the logit probe samples the eager calls; layer 0's recorder
+    holds each decode row's latent at its position, and only those."""
     ew = engine_worker
+    ew.Faults.install("softmax_scale")  # before the layer is built: its weights-loaded hook plans the high-scale step
     ew.Coverage.install(device="cpu")
     ew.LogitProbe.install()
-    ew.Faults.install()
+    ew.LayerZeroRecord.install(8, heads=16, device="cpu")
     try:
         with _cpu_rig(tmp_path) as r:
-            batch = r.batch([rig.Request(2500, 1), rig.Request(2200, 1), rig.Request(40, 1)])
+            assert r.impl._fault_step.core.softmax_scale == pytest.approx(
+                ew.SCALE_FAULT * r.impl._step.core.softmax_scale)
+            batch = r.batch([rig.Request(2500, 1), rig.Request(2200, 1), rig.Request(0, 130)])
+            ew.Faults.mode = "none"
             clean = r.forward(batch).float()
+            latent = r.captured[-1]["pieces"][0]["out"]
+            recorded = ew.LayerZeroRecord.read()
+            assert recorded["positions"].tolist() == [2500, 2200] and recorded["overflow"] == 0
+            assert torch.equal(recorded["rows"], latent[:2, :16].to(torch.bfloat16))
             for mode in ew.FAULTS:
                 ew.Faults.mode = mode
-                moved = (r.forward(batch).float() - clean).norm() / clean.norm()
+                out = r.forward(batch).float()
+                moved = (out[:2] - clean[:2]).norm() / clean[:2].norm()
                 assert moved > 2.0**-5, (mode, float(moved))
+                assert torch.equal(out[2:], clean[2:]), mode
             ew.Faults.mode = "none"
             assert torch.equal(r.forward(batch).float(), clean)
             counts = ew.Coverage.read()
-            assert counts["KimiDSAFlashInferMLASparseImpl.forward_mqa"] == {"calls": 6, "rows": 18}, counts
-            assert counts["FlashInferCore.decode"]["calls"] == 6, counts
+            assert counts["KimiDSAFlashInferMLASparseImpl.forward_mqa"] == {"calls": 6, "rows": 6 * 132}, counts
+            assert counts["FlashInferCore.decode"]["calls"] >= 6, counts
             assert counts["FlashMLASparseImpl.forward_mqa"]["calls"] == 0, counts
             probe = ew.LogitProbe.summary()
             assert probe["rows"] > 0 and probe["logit_std_median"] > 0 and 0 < probe["top_probability_median"] <= 1
+            assert ew.LayerZeroRecord.read()["overflow"] == 6 * 2 - 8  # past the capacity: counted, not written
     finally:
         ew.restore()
