@@ -3,7 +3,7 @@
 
     python benchmarks/bench_engine.py check --out DIR [--heads 16] [--layers 1] [--seeds 7,8] [--faults ...]
     python benchmarks/bench_engine.py time --out DIR --heads 16 [--layers auto] [--requests 1,8,32,128] ...
-    python benchmarks/bench_engine.py bounds DIR/engine_check.json      (a CPU: the bounds a check run gives)
+    python benchmarks/bench_engine.py bounds DIR/engine_check.json ...  (a CPU: the bounds check runs give)
     (on the device: bash tools/device_run.sh --vllm --fi py benchmarks/bench_engine.py check --out $OUT/check ...)
 
 Each engine lives in a process of its own (benchmarks/engine_worker.py), driven over a pipe, so two engines never
@@ -343,6 +343,9 @@ def run_check(args: argparse.Namespace) -> int:
         summary: dict[str, Any] = {"engines": {}, "seeds": {str(w.seed): {"measured": {}} for w in works}}
         report["heads"][heads] = summary
         for label, backend, options, switches in check_engines(args.faults, args.fi_site):
+            if time.monotonic() - start > args.budget:
+                summary.setdefault("errors", {})[label] = f"not started: past the budget of {args.budget} s"
+                continue
             spec = engine_spec(out_dir, f"h{heads}_{label}", model, backend, heads, args, record_rows=record_rows,
                                **options)
             _check_engine(EngineProcess(spec), label, switches, works, summary)
@@ -373,20 +376,35 @@ def check_lines(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bounds_from_report(report: dict[str, Any], heads: int | None = None, calibration: int = ec.CALIBRATION_SEED,
-                       validation: int = ec.VALIDATION_SEED) -> dict[str, Any]:
-    """What a check report gives for the bounds: set_bounds on the calibration seed's statistics (the null pairs
-    alone), validate on the validation seed's, with the faults that ran."""
-    if report.get("kind") != "check":
-        raise ValueError(f"report is a {report.get('kind')!r} run; the bounds come from a judged (one-layer) check")
-    heads_key = str(heads) if heads is not None else next(iter(report["heads"]))
-    seeds = report["heads"][heads_key]["seeds"]
-    for seed in (calibration, validation):
-        if "statistics" not in seeds.get(str(seed), {}):
-            raise ValueError(f"report holds no statistics of seed {seed} at {heads_key} heads")
-    bounds = ec.set_bounds(seeds[str(calibration)]["statistics"])
-    check = ec.validate(seeds[str(validation)]["statistics"], bounds, report["faults"])
-    return {"heads": int(heads_key), "calibration_seed": calibration, "validation_seed": validation,
+def merged_statistics(reports: list[dict[str, Any]], heads: int, seed: int) -> dict[str, dict[str, Any]]:
+    """One seed's statistics over several check reports (the faults split across device calls), each report's
+    reference and denominator the same bytes (their log-probabilities' sha256), else a ValueError naming them."""
+    merged: dict[str, dict[str, Any]] = {}
+    digests: dict[str, str] = {}
+    for i, report in enumerate(reports):
+        if report.get("kind") != "check":
+            raise ValueError(f"reports[{i}] is a {report.get('kind')!r} run; bounds come from judged (one-layer) "
+                             "checks")
+        data = report["heads"].get(str(heads), {}).get("seeds", {}).get(str(seed), {})
+        if "statistics" not in data:
+            raise ValueError(f"reports[{i}] holds no statistics of seed {seed} at {heads} heads")
+        for name in (FLASHMLA, SAME_INPUTS):
+            digest_ = data["measured"][name]["logprobs_sha256"]
+            if digests.setdefault(name, digest_) != digest_:
+                raise ValueError(f"reports[{i}]'s {name} differs from the first report's (seed {seed}): the ratios "
+                                 "of two calls compare only over the same reference and denominator")
+        merged.update(data["statistics"])
+    return merged
+
+
+def bounds_from_reports(reports: list[dict[str, Any]], heads: int = 16, calibration: int = ec.CALIBRATION_SEED,
+                        validation: int = ec.VALIDATION_SEED) -> dict[str, Any]:
+    """What check reports give for the bounds: set_bounds on the calibration seed's statistics (the null pairs
+    alone), validate on the validation seed's, with every fault the reports ran."""
+    bounds = ec.set_bounds(merged_statistics(reports, heads, calibration))
+    faults = sorted({f for r in reports for f in r["faults"]})
+    check = ec.validate(merged_statistics(reports, heads, validation), bounds, faults)
+    return {"heads": heads, "calibration_seed": calibration, "validation_seed": validation, "faults": faults,
             "bounds": bounds, "validation": check}
 
 
@@ -599,9 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--mixes", type=_words, default=list(MIXES))
     t.add_argument("--windows", type=int, default=WINDOWS)
     t.add_argument("--steps", type=int, default=STEPS, help="decode steps a timed window")
-    b = sub.add_parser("bounds", help="the bounds a check report's null pairs give, validated (no GPU)")
-    b.add_argument("report")
-    b.add_argument("--heads", type=int, default=None)
+    b = sub.add_parser("bounds", help="the bounds check reports' null pairs give, validated (no GPU)")
+    b.add_argument("reports", nargs="+", help="engine_check.json of one or more judged check runs")
+    b.add_argument("--heads", type=int, default=16)
     args = parser.parse_args(argv)
     if args.command == "check":
         return run_check(args)
@@ -609,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.windows < 10 or args.steps < 64:
             parser.error("time needs --windows >= 10 and --steps >= 64")
         return run_time(args)
-    print(json.dumps(bounds_from_report(json.loads(Path(args.report).read_text()), args.heads), indent=1))
+    reports = [json.loads(Path(path).read_text()) for path in args.reports]
+    print(json.dumps(bounds_from_reports(reports, args.heads), indent=1))
     return 0
 
 

@@ -20,8 +20,10 @@ in every engine, so no earlier layer's rounding enters it.
   (CALIBRATION_SEED's workload), rounded up to two significant digits.
 - It is validated on VALIDATION_SEED's workload, which never sets it (`validate`): every null pair within the bounds on
   at least PASS_FRACTION of the requests, every planted fault caught with margin on at least PASS_FRACTION.
-- A bound is set once, from one device run, with that run's report committed beside it; a bound never moves to make
-  a run pass. If the validation fails, the check does not separate and the constants stay unset.
+- A bound is set once, from one device run (or the calls of one session, their reference and denominator the same
+  bytes), with its reports committed and named in CALIBRATION_REPORTS; tests/test_bench_engine.py holds the
+  constants to what those reports give (`bench_engine.py bounds`). A bound never moves to make a run pass. If the
+  validation fails, the check does not separate and the constants stay unset.
 - KL_BOUND and LAYER0_BOUND are None: no device run has recorded the KL or the layer-0 outputs yet (the committed
   H100 / H200 reports hold per-step largest |log-probability differences| only), so they wait for the next device
   run (docs/vllm-on-device.md gives its commands). Until then `verdicts` reports the bounds the run's own null pairs
@@ -54,6 +56,7 @@ LEVEL = 0.95
 CALIBRATION_SEED, VALIDATION_SEED = 7, 8
 KL_BOUND: float | None = None
 LAYER0_BOUND: float | None = None
+CALIBRATION_REPORTS: tuple[str, ...] = ()  # the committed engine_check.json files they came from (from the root)
 
 
 def module_bounds() -> dict[str, float] | None:
@@ -281,7 +284,7 @@ def validate(statistics: Mapping[str, Mapping[str, Any]], bounds: Mapping[str, f
             "valid": not absent and all(v["passes"] for v in judged.values())}
 
 
-__all__ = ["BOUND_FACTOR", "CALIBRATION_SEED", "CAUGHT_MARGIN", "FAULT_PREFIX", "KEYS_REVERSED", "KL_BOUND",
-           "LAYER0_BOUND", "NULL_PAIRS", "PASS_FRACTION", "SAME_INPUTS", "VALIDATION_SEED", "engine_statistics",
-           "judge_engine", "layer0_by_step", "layer0_errors", "module_bounds", "ratio_interval", "ratios",
-           "request_means", "round_up", "set_bounds", "step_kl", "validate", "verdicts"]
+__all__ = ["BOUND_FACTOR", "CALIBRATION_REPORTS", "CALIBRATION_SEED", "CAUGHT_MARGIN", "FAULT_PREFIX",
+           "KEYS_REVERSED", "KL_BOUND", "LAYER0_BOUND", "NULL_PAIRS", "PASS_FRACTION", "SAME_INPUTS",
+           "VALIDATION_SEED", "engine_statistics", "judge_engine", "layer0_by_step", "layer0_errors", "module_bounds",
+           "ratio_interval", "ratios", "request_means", "round_up", "set_bounds", "step_kl", "validate", "verdicts"]

@@ -411,7 +411,7 @@ def test_a_check_without_bounds_judges_nothing_and_reports_the_bounds_its_null_p
         measured = data["measured"][be.OURS]
         assert measured["missing_steps"] == 0 and measured["layer0_rows"]["off_step"] == 0
         assert len(measured["kl"]) == 24 and len(measured["layer0_same_inputs"]) == 24
-    found = be.bounds_from_report(report)
+    found = be.bounds_from_reports([report])
     assert found["validation"]["valid"] and 1.5 <= found["bounds"]["kl"] <= 1.8
     assert found["bounds"] == ec.set_bounds(report["heads"]["16"]["seeds"][str(ec.CALIBRATION_SEED)]["statistics"])
 
@@ -424,12 +424,38 @@ def test_a_check_at_bounds_passes_this_backend_and_catches_every_fault(tmp_path,
     assert all(verdicts["engines"][ec.FAULT_PREFIX + f]["caught_fraction"] >= ec.PASS_FRACTION for f in GROSS)
 
 
+def test_the_bounds_of_two_calls_merge_only_over_the_same_reference(tmp_path, monkeypatch):
+    """The faults split over two device calls: each call's statistics join the other's only where both ran on the same
+    FLASHMLA_SPARSE and denominator bytes."""
+    _, first = _check(tmp_path / "a", monkeypatch, {"softmax_scale": 0.3, "half_topk": 1.0})
+    _, second = _check(tmp_path / "b", monkeypatch, {"slot_off_by_one": 1.0, "topk_ignored": 1.0})
+    found = be.bounds_from_reports([first, second])
+    assert found["faults"] == sorted(GROSS) and found["validation"]["valid"] and not found["validation"]["absent"]
+    seed = second["heads"]["16"]["seeds"][str(ec.VALIDATION_SEED)]
+    seed["measured"][be.FLASHMLA]["logprobs_sha256"] = "0" * 64
+    with pytest.raises(ValueError, match="differs"):
+        be.bounds_from_reports([first, second])
+
+
+def test_the_module_bounds_are_what_the_committed_calibration_runs_give():
+    """engine_check's bounds come with the check reports they were set from; none is set without them."""
+    if not ec.CALIBRATION_REPORTS:
+        assert ec.module_bounds() is None
+        return
+    import gzip
+
+    paths = [ROOT / p for p in ec.CALIBRATION_REPORTS]
+    reports = [json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text()) for p in paths]
+    found = be.bounds_from_reports(reports)
+    assert found["bounds"] == ec.module_bounds() and found["validation"]["valid"], found
+
+
 def test_a_check_fails_when_a_fault_stays_inside_the_bound(tmp_path, monkeypatch):
     faults = {**GROSS, "half_topk": 0.0}
     rc, report = _check(tmp_path, monkeypatch, faults, bounds={"kl": 1.5, "layer0": 1.5})
     verdicts = report["heads"]["16"]["seeds"][str(ec.CALIBRATION_SEED)]["verdicts"]
     assert rc == 1 and not verdicts["engines"]["fault:half_topk"]["passes"]
-    assert not be.bounds_from_report(report)["validation"]["valid"]
+    assert not be.bounds_from_reports([report])["validation"]["valid"]
 
 
 def test_a_check_without_flashinfer_judges_nothing_and_fails(tmp_path, monkeypatch):
@@ -454,7 +480,7 @@ def test_four_layers_are_a_smoke_test(tmp_path, monkeypatch):
     assert rc == 0 and report["kind"] == "smoke" and verdicts["kind"] == "smoke" and verdicts["ok"]
     assert all(v["own_backend_counted"] for v in verdicts["engines"].values())
     with pytest.raises(ValueError, match="smoke"):
-        be.bounds_from_report(report)
+        be.bounds_from_reports([report])
 
 
 # ---------------------------------------------------------------------------------------------------- the timing
@@ -581,7 +607,7 @@ def test_attention_is_counted_alike_from_each_backends_named_kernels():
     assert et.unmatched_other(a["kernels"], b["kernels"]) == [{"kernel": "extra", "us_per_step": [10.0, 0.0]}]
 
 
-# ---------------------------------------------------------------------------------------------------- the worker's window
+# ---------------------------------------------------------------------------------------------------- the worker
 
 
 def _scheduler_output(cached: dict[str, tuple[int, int]], new: int = 0):
