@@ -323,19 +323,13 @@ def run_check(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     judged = args.layers == CHECK_LAYERS
-    report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "kind": "check" if judged else "smoke", "layers": args.layers, "seeds": args.seeds, "faults": args.faults,
-        "bounds": ec.module_bounds(), "requests": args.check_requests, "steps": args.check_steps,
-        "context": list(CHECK_CONTEXT), "query_gain": ew.QUERY_GAIN, "heads": {},
-    }
-    if args.shims:
-        report["shims"] = ew.install_device_shims()
+    report = new_report(args, kind="check" if judged else "smoke", layers=args.layers, seeds=args.seeds,
+                        faults=args.faults, bounds=ec.module_bounds(), requests=args.check_requests,
+                        steps=args.check_steps, context=list(CHECK_CONTEXT), query_gain=ew.QUERY_GAIN)
     record_rows = 2 * args.check_requests * args.check_steps + 1024
     ok = True
     for heads in args.heads:
-        if time.monotonic() - start > args.budget:
-            report["heads"][heads] = {"skipped": f"past the budget of {args.budget} s"}
+        if past_budget(report, heads, start, args.budget):
             ok = False
             continue
         model = write_model(out_dir / f"model_h{heads}", heads, args.layers)
@@ -406,6 +400,24 @@ def bounds_from_reports(reports: list[dict[str, Any]], heads: int = 16, calibrat
     check = ec.validate(merged_statistics(reports, heads, validation), bounds, faults)
     return {"heads": heads, "calibration_seed": calibration, "validation_seed": validation, "faults": faults,
             "bounds": bounds, "validation": check}
+
+
+def new_report(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
+    """A run's report: the date, `fields`, the device shims installed (--shims, decided once here; the engines and
+    vLLM's own child processes apply the same), and an empty per-heads part."""
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **fields,
+              "heads": {}}
+    if args.shims:
+        report["shims"] = ew.install_device_shims()
+    return report
+
+
+def past_budget(report: dict[str, Any], heads: int, start: float, budget: float) -> bool:
+    """Whether the run is past its budget; if so the head count is marked skipped in the report."""
+    if time.monotonic() - start <= budget:
+        return False
+    report["heads"][heads] = {"skipped": f"past the budget of {budget} s"}
+    return True
 
 
 def _save(path: Path, data: Any) -> None:
@@ -503,13 +515,9 @@ def run_time(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "windows": args.windows, "steps": args.steps, "warmup": WARMUP, "heads": {},
-        "attention_kernels": {b: [[c, p.pattern] for c, p in et.ATTENTION_KERNELS[b]] for b in et.ATTENTION_KERNELS},
-    }
-    if args.shims:
-        report["shims"] = ew.install_device_shims()
+    report = new_report(args, windows=args.windows, steps=args.steps, warmup=WARMUP,
+                        attention_kernels={b: [[c, p.pattern] for c, p in kernels]
+                                           for b, kernels in et.ATTENTION_KERNELS.items()})
     report["ceilings"] = ceilings(torch.device("cuda"), quick=True)
     report["clocks_before"] = ew.gpu_clocks()
     card_bytes = torch.cuda.get_device_properties(0).total_memory
@@ -517,8 +525,7 @@ def run_time(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     ok = True
     for heads in args.heads:
-        if time.monotonic() - start > args.budget:
-            report["heads"][heads] = {"skipped": f"past the budget of {args.budget} s"}
+        if past_budget(report, heads, start, args.budget):
             ok = False
             continue
         size = timing_layers(args, heads, card_bytes)
