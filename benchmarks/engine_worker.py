@@ -647,6 +647,8 @@ class StepEvents:
 
         def execute_timed(self, *args, **kwargs):
             if cls.pool and not kwargs.get("dummy_run", False):
+                if len(cls.starts) > len(cls.ends):  # the last step sampled nothing: its start pairs with no end
+                    cls.starts.pop()
                 event = cls.pool.pop()
                 event.record()
                 cls.starts.append(event)

@@ -664,6 +664,39 @@ def test_decode_window_does_not_count_a_step_with_a_prefill_chunk_as_pure_decode
         assert window["pure_decode"] is pure and len(window["scheduled"]) == 3
 
 
+def test_step_events_pair_each_steps_start_with_its_sampling(monkeypatch):
+    """A step's span runs from Model Runner V2's execute_model to the end of its sample_tokens; a dummy run records
+    nothing, and a step that sampled nothing leaves no start behind to pair with the next step's end."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    clock = iter(range(100))
+
+    class _Event:
+        def record(self):
+            self.t = next(clock)
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) / 1e3  # ms
+
+    monkeypatch.setattr(GPUModelRunner, "execute_model", lambda self, *a, **k: None)
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", lambda self, *a, **k: None)
+    try:
+        ew.StepEvents.install()
+        ew.StepEvents.pool = [_Event() for _ in range(8)]
+        runner = object.__new__(GPUModelRunner)
+        runner.execute_model(None, dummy_run=True)  # not a step
+        runner.execute_model(None)  # t=0, never sampled
+        runner.execute_model(None)  # t=1
+        runner.sample_tokens(None)  # t=2
+        runner.execute_model(None)  # t=3
+        runner.sample_tokens(None)  # t=4
+        spans = ew.StepEvents.disarm()
+        assert spans == {"step_gpu_span_us": [1.0, 1.0], "window_gpu_span_us": 3.0}
+    finally:
+        ew.restore()
+
+
 def test_each_check_reports_its_own_probe():
     """LogitProbe's samples belong to the check that made them: a second engine's (or a second check's) summary does
     not hold the first one's."""
