@@ -498,8 +498,11 @@ def time_point(engines: dict[str, EngineProcess], heads: int, layers: int, reque
 
 
 def timing_layers(args: argparse.Namespace, heads: int, card_bytes: int | None) -> dict[str, Any]:
-    """The timed model's layers: args.layers, or (auto) engine_timing.fit_layers for the largest point's tokens."""
-    tokens = max(sum(lengths) + requests * n_tokens for requests in args.requests for mix in args.mixes
+    """The timed model's layers: args.layers, or (auto) engine_timing.fit_layers for the largest point's tokens among
+    every point of the issue's set (REQUESTS x MIXES) and the run's own, so that every call at a head count on one
+    card times the same model whichever points it holds."""
+    tokens = max(sum(lengths) + requests * n_tokens for requests in {*REQUESTS, *args.requests}
+                 for mix in {*MIXES, *args.mixes}
                  for lengths, n_tokens in [point_tokens(requests, mix, args.windows, args.steps)])
     if args.layers != "auto":
         return {"layers": int(args.layers), "tokens": tokens, "gpu_memory_utilization": args.gpu_memory_utilization}

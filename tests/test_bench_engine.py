@@ -580,6 +580,18 @@ def test_the_model_takes_as_many_layers_as_the_card_holds_for_both_engines():
     assert et.layer_weight_bytes(be.model_config(128, 1)) == 2 * 147_331_328
 
 
+def test_every_timing_call_at_a_head_count_times_the_same_model():
+    """Calls holding the small points and calls holding the large ones size the model alike (for the largest point
+    of the whole set), so their rows compare."""
+    def args(requests):
+        return argparse.Namespace(requests=requests, mixes=["uniform-4096"], windows=10, steps=64, layers="auto",
+                                  gpu_memory_utilization=0.3)
+
+    small, large = (be.timing_layers(args(r), 128, 80 << 30) for r in ([1, 8], [32, 128]))
+    assert small == large and small["layers"] < 61
+    assert be.timing_layers(argparse.Namespace(**{**vars(args([1])), "layers": 12}), 128, None)["layers"] == 12
+
+
 def test_attention_is_counted_alike_from_each_backends_named_kernels():
     """The names both sides' kernels had in the H100's profiles (2026-12-07): FlashMLA's query concatenation counts
     as its attention, the shared RoPE / indexer query kernel counts on neither side, vLLM's top-k conversion on
