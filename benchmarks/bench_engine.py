@@ -348,6 +348,7 @@ def run_check(args: argparse.Namespace) -> int:
             seed = summary["seeds"][str(work.seed)]
             seed.update(judge_seed(seed["measured"], work.seed, judged))
             ok &= bool(seed["verdicts"]["ok"]) or seed["verdicts"]["ok"] is None
+            ok &= all(m["tokens_follow_trace"] for m in seed["measured"].values())
         ok &= not summary.get("errors") and not any(e.get("error") for e in summary["engines"].values())
         _save(out_dir / "engine_check.json", report)
     print(json.dumps(check_lines(report), indent=1))

@@ -529,7 +529,6 @@ class KeyOrder:
             last = counts.long()[:, None] - 1
             return slots.gather(1, torch.where(position <= last, last - position, position))
 
-        cls.reverse_prefix = staticmethod(reverse_prefix)
         _patch(fi_sm90, "triton_convert_req_index_to_global_index", reordered)
 
 
