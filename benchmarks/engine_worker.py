@@ -1,6 +1,5 @@
-"""One vLLM engine (`LLM(...)`) in a process of its own, driven by benchmarks/bench_engine.py over a pipe: the check
-(every request forced down one token trace, each step's log-probabilities and layer 0's attention output recorded)
-or the timing (decode windows at a fixed batch, wall clock, CUDA-event spans and the profiler's kernels).
+"""One vLLM engine (`LLM(...)`) in a process of its own, driven by benchmarks/bench_engine.py over a pipe: forced-trace
+checks with their recordings and planted faults, or timed decode windows (wall clock, CUDA-event spans, kernels).
 
 A checked engine carries the instruments: the recorder (RecordLogits, a vLLM Model Runner V2 logits processor), the
 device-side call counters (Coverage), layer 0's output recorder (LayerZeroRecord), the attention-logit probe

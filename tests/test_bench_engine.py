@@ -1,7 +1,7 @@
 """benchmarks/bench_engine.py and engine_worker.py on a CPU: the workloads, the engine's arguments through vLLM's own
 EngineArgs (at a mocked SM 9.0), the recorder, the instruments' pure parts, the check's and the timing's runs with
-stand-in engines, and the behaviours issue 59 found untested (each test here fails with its fault planted). The
-engines run on a GPU (tests/test_vllm_engine_gpu.py); the worker's instruments run on vLLM's own layer in
+stand-in engines, and the driver's and the worker's smaller behaviours (serve's environment, the query's rounding,
+a window's purity, a batch's token count). The engines run on a GPU (tests/test_vllm_engine_gpu.py); the worker's instruments run on vLLM's own layer in
 tests/test_vllm_layer_cpu.py; the statistics are tests/test_engine_check.py's."""
 
 from __future__ import annotations
