@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -67,13 +68,16 @@ class Form:
 
 
 @contextlib.contextmanager
-def recorded_launches(sink: list[Launch]) -> Iterator[None]:
-    """Triton's launches (plain and Gluon jit functions) recorded into sink instead of compiled and run."""
+def recorded_launches(sink: list[Launch], run: bool = False) -> Iterator[None]:
+    """Triton's launches (plain and Gluon jit functions) recorded into sink instead of compiled and run (run: and
+    then compiled and run as usual)."""
     from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         sink.append(Launch(self, args, dict(kwargs), tuple(grid) if not callable(grid) else grid))
-        return None
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs) if run else None
 
     with mock.patch.object(JITFunction, "run", record):
         yield
@@ -146,14 +150,19 @@ def dispatcher_launches(fmt: str, heads: int, lse: bool, gluon: str, fp8_pv: str
     return launches
 
 
-def _binding(launch: Launch) -> tuple[Any, ...]:
-    """Triton's own binding of a launch for TARGET: (backend, bound args, specialization, options)."""
+@functools.cache
+def _binder(fn: Any) -> tuple[Any, Any]:
+    """(backend, binder) of a jit function for TARGET, made once: Triton's own, as its JIT makes them per device."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(TARGET)
-    fn = launch.fn
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    return backend, create_function_from_signature(fn.signature, fn.params, backend)
+
+
+def _binding(launch: Launch) -> tuple[Any, ...]:
+    """Triton's own binding of a launch for TARGET: (backend, kwargs, bound args, specialization, options)."""
+    backend, binder = _binder(launch.fn)
     kwargs = dict(launch.kwargs)
     kwargs.setdefault("debug", False)
     bound, specialization, options = binder(*launch.args, **kwargs)

@@ -8,7 +8,6 @@ session that changes a kernel (`tools/device_run.sh tests part=smoke`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -30,24 +29,6 @@ def _form_id(form: served_forms.Form) -> str:
             f"-pv{w['fp8_pv']}")
 
 
-@contextlib.contextmanager
-def _launch_keys(keys: list[str]):
-    """Each Triton launch's JIT key (served_forms.form_key) collected while it still runs."""
-    from triton.runtime.jit import JITFunction
-
-    run = JITFunction.run
-
-    def keyed(self, *args, grid, warmup, **kwargs):
-        keys.append(served_forms.form_key(served_forms.Launch(self, args, dict(kwargs), grid)))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    JITFunction.run = keyed
-    try:
-        yield
-    finally:
-        JITFunction.run = run
-
-
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
 def test_served_form_matches_reference(form: served_forms.Form) -> None:
     from vllm_kimi_dsa.backends.hopper import TritonDecode
@@ -62,10 +43,11 @@ def test_served_form_matches_reference(form: served_forms.Form) -> None:
         kernel = TritonDecode(setup)
     out = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((rows, heads), float("nan"), device=q.device) if w["lse"] else None
-    keys: list[str] = []
-    with _launch_keys(keys):
+    launches: list[served_forms.Launch] = []
+    with served_forms.recorded_launches(launches, run=True):
         kernel(q, kv, slots, counts, out, lse, block_size=1, rows_per_block_stride=1)
     torch.cuda.synchronize()
+    keys = [served_forms.form_key(launch) for launch in launches]
     assert form.key in keys, f"the form did not run; the call launched {[k.split('|')[0] for k in keys]}"
     query, rows_c, fmt_c, ss_c, os_c = computed_operands(kernel, fmt, q, kv, ss, os_)
     pv_fp8 = any(getattr(p, "pv_fp8", False) for p in kernel.plan_params[rows, served_forms.WIDTH])
