@@ -32,7 +32,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 _PARTIAL_SIG = "*fp16"
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIGNATURE = dict(
-    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", items_ptr="*i32", out_ptr="*bf16",
+    lse_ptr="*fp32",
     part_out_ptr="*fp32", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32", lead_tiles="i32",
     stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
@@ -65,10 +66,12 @@ def compile_gluon(kernel: str = "gluon", **overrides):
 
         fn, params_cls = g.gluon_decode_kernel, g.GluonParams
     heads = overrides.pop("heads", None)  # the few-heads kernel: > 16 heads compile its head-block variant
+    scheduled = bool(overrides.pop("scheduled", False))  # the scheduled form (grid head blocks x planner items)
     base = params_cls()
     overrides = {k: bool(v) if isinstance(getattr(base, k), bool) else v for k, v in overrides.items()}
     params = params_cls(**overrides)
     consts = g.kernel_constexprs(params, heads) if heads else g.kernel_constexprs(params)
+    consts = {**consts, "SCHEDULED": scheduled}
     sig = dict(SIGNATURE)
     if overrides.get("nvfp4"):
         sig["kv_ptr"] = "*u8"  # nvfp4_ds_mla rows are uint8

@@ -75,20 +75,21 @@ def summarize(kernel) -> dict[str, object]:
 
 
 SIGNATURE = dict(
-    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+    q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv", slots_ptr="*i32", counts_ptr="*i32", items_ptr="*i32", out_ptr="*bf16",
+    lse_ptr="*fp32",
     part_out_ptr="*fp16", part_lse_ptr="*fp32", H="i32", K="i32", num_splits="i32", lead_tiles="i32",  # fp16: kernels.common.PARTIAL_DTYPE
     stride_q_row="i32", stride_q_head="i32", stride_kv="i32", stride_s_row="i32", stride_o_row="i32",
     stride_o_head="i32", stride_lse_row="i32", qk_scale="fp32", out_scale="fp32",
 )
 
 
-def compile_config(fmt: str, cfg):
-    """The decode kernel a `planning.Config` launches, compiled for SM90."""
+def compile_config(fmt: str, cfg, scheduled: bool = False):
+    """The decode kernel a `planning.Config` launches (scheduled: its scheduled form), compiled for SM90."""
     from vllm_kimi_dsa.kernels import triton_decode as td
 
     sig = dict(SIGNATURE, kv_ptr="*u8" if fmt != "fp8" else "*fp8e4nv")
     consts = dict(NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch,
-                  LAZY=cfg.lazy, SWAP=cfg.swap, PTX=True)
+                  LAZY=cfg.lazy, SWAP=cfg.swap, PTX=True, SCHEDULED=scheduled)
     return compile_kernel(td.decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
 
 
@@ -98,6 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sass-dir", default=None, help="also write each kernel's SASS and PTX here")
     p.add_argument("--filter", default="", help="only cases whose name contains this")
+    p.add_argument("--scheduled", action="store_true", help="the scheduled form (a planner's items) of each")
     a = p.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (the default config of each format and head count)")
     print(f"{'case':24s} {'regs':>4s} {'stack':>5s} {'smem':>6s}  ops")
@@ -108,7 +110,7 @@ def main() -> None:
                 continue
             cfg = default_config(heads, fmt)
             try:
-                k = compile_config(fmt, cfg)
+                k = compile_config(fmt, cfg, a.scheduled)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"{name:24s} COMPILE FAILED: {str(e).splitlines()[0][:150]}")
                 continue

@@ -3,10 +3,11 @@ compiled offline for sm_90a exactly as Triton's JIT compiles it at that launch (
 specializations -- an int of 1 becomes a constant, multiples of 16 get divisibility -- and the same options).
 
 The dispatcher is built as on an H100 / H200 (Gluon available, 132 SMs) for every head count 1..128, both cache
-formats, with and without the LSE, VLLM_KIMI_DSA_GLUON unset and 0 (the plain kernel) and VLLM_KIMI_DSA_FP8_PV 0 and
-1; every plan of batch sizes 1..MAX_ROWS is called once with Triton's launch recorded instead of run. Forms are keyed
-as the JIT keys its cache, so two launches with one key are one compile. CPU tests compile every form
-(test_served_forms_compile); the GPU smoke part runs every form once against the float32 reference.
+formats, with and without the LSE, VLLM_KIMI_DSA_GLUON unset and 0 (the plain kernel), VLLM_KIMI_DSA_FP8_PV 0 and 1
+and VLLM_KIMI_DSA_SCHEDULE static and counts; every plan of batch sizes 1..MAX_ROWS is called once with Triton's
+launch recorded instead of run. Forms are keyed as the JIT keys its cache, so two launches with one key are one
+compile. CPU tests compile every form (test_sm90_compile.py::test_every_served_form_compiles_for_sm90); the GPU smoke
+part runs every form once against the float32 reference.
 
     python tests/served_forms.py [--compile] [--heads 64,128] [--shard I/N]   # (TRITON_INTERPRET unset)
 """
@@ -41,6 +42,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 FORMATS = ("fp8", "nvfp4_ds_mla")
 GLUON_SWITCH = ("", "0")  # VLLM_KIMI_DSA_GLUON as served: unset (the verified Gluon kernels) and 0 (the plain kernel)
 FP8_PV_SWITCH = ("0", "1")
+SCHEDULE_SWITCH = ("static", "counts")
 
 
 @dataclass
@@ -84,12 +86,12 @@ def recorded_launches(sink: list[Launch], run: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def as_on_hopper(gluon: str, fp8_pv: str) -> Iterator[None]:
+def as_on_hopper(gluon: str, fp8_pv: str, schedule: str) -> Iterator[None]:
     """The dispatcher's view of an H100 / H200 on this machine: Gluon available, HOPPER_SMS SMs, the switches set."""
     from vllm_kimi_dsa import envs
     from vllm_kimi_dsa.backends.hopper import dispatch
 
-    env = {envs.GLUON: gluon, envs.FP8_PV: fp8_pv}
+    env = {envs.GLUON: gluon, envs.FP8_PV: fp8_pv, envs.SCHEDULE: schedule}
     with mock.patch.object(dispatch, "gluon_available", lambda device=None: True), \
             mock.patch.object(dispatch, "num_sms", lambda device: HOPPER_SMS), \
             mock.patch.dict(os.environ, env):
@@ -110,7 +112,7 @@ def _inputs(fmt: str, heads: int, rows: int, lse: bool) -> tuple[torch.Tensor, .
 
 
 def setups(heads_list: tuple[int, ...] = tuple(range(1, 129))) -> Iterator[dict]:
-    """Every served (fmt, heads, lse, GLUON, FP8_PV); FP8_PV only changes fp8 above 32 heads."""
+    """Every served (fmt, heads, lse, GLUON, FP8_PV, SCHEDULE); FP8_PV only changes fp8 above 32 heads."""
     from vllm_kimi_dsa.heads import FEW_HEADS_MAX
 
     for fmt in FORMATS:
@@ -119,10 +121,12 @@ def setups(heads_list: tuple[int, ...] = tuple(range(1, 129))) -> Iterator[dict]
                 pv_values = FP8_PV_SWITCH if fmt == "fp8" and heads > FEW_HEADS_MAX and gluon != "0" else ("0",)
                 for fp8_pv in pv_values:
                     for lse in (False, True):
-                        yield dict(fmt=fmt, heads=heads, lse=lse, gluon=gluon, fp8_pv=fp8_pv)
+                        for schedule in SCHEDULE_SWITCH:
+                            yield dict(fmt=fmt, heads=heads, lse=lse, gluon=gluon, fp8_pv=fp8_pv,
+                                       schedule=schedule)
 
 
-def dispatcher_launches(fmt: str, heads: int, lse: bool, gluon: str, fp8_pv: str,
+def dispatcher_launches(fmt: str, heads: int, lse: bool, gluon: str, fp8_pv: str, schedule: str,
                         max_rows: int = MAX_ROWS) -> list[Launch]:
     """The launches TritonDecode makes for one setup: one call for each distinct bound plan of rows 1..max_rows."""
     from vllm_kimi_dsa.backends.hopper import TritonDecode
@@ -131,7 +135,7 @@ def dispatcher_launches(fmt: str, heads: int, lse: bool, gluon: str, fp8_pv: str
     setup = DecodeSetup(device=torch.device("cpu"), fmt=fmt, heads=heads, row_counts=tuple(range(1, max_rows + 1)),
                         capacities=(), widths=(WIDTH,), return_lse=lse, softmax_scale=0.1, output_scale=1.0)
     launches: list[Launch] = []
-    with as_on_hopper(gluon, fp8_pv):
+    with as_on_hopper(gluon, fp8_pv, schedule):
         kernel = TritonDecode(setup)
         seen = set()
         for rows in range(1, max_rows + 1):
@@ -145,7 +149,8 @@ def dispatcher_launches(fmt: str, heads: int, lse: bool, gluon: str, fp8_pv: str
             with recorded_launches(sink):
                 kernel(*_inputs(fmt, heads, rows, lse), block_size=64, rows_per_block_stride=64)
             for launch in sink:
-                launch.where = dict(fmt=fmt, heads=heads, lse=lse, gluon=gluon, fp8_pv=fp8_pv, rows=rows)
+                launch.where = dict(fmt=fmt, heads=heads, lse=lse, gluon=gluon, fp8_pv=fp8_pv, schedule=schedule,
+                                    rows=rows)
             launches += sink
     return launches
 

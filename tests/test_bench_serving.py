@@ -1,6 +1,6 @@
 """The suite's serving section (issue 54): count distributions, work ratios and proportionality, FlashMLA called as
 vLLM's FLASHMLA_SPARSE calls it (ids -1 past each count, a fresh scheduler metadata in every call), fa3 planned on
-each set's counts, ours; the JSON, the markdown and the time-against-work picture.
+each set's counts, ours static and scheduled; the JSON, the markdown and the time-against-work picture.
 
 CPU: our kernels in Triton's interpreter at K = 128, FlashMLA a stand-in of vLLM's ops module (test_peer_flashmla's:
 it checks FlashMLA's argument rules and computes the float64 reference), fa3 test_bench_compare's stand-in; timings
@@ -104,6 +104,8 @@ def test_section_records_work_proportionality_and_ratios(small, tmp_path) -> Non
         # (at K = 128 the serving mix's contexts of >= 100 tokens fill most rows)
         assert 0 < r["work"] <= 1.0 and (r["work"] == 1.0 if dist == "full" else dist == "serving" or r["work"] < 1)
         assert r["floor_us"] > 0 and r["of_floor"] == pytest.approx(r["floor_us"] / r["us"], abs=1e-3)
+    assert recs["triton-sched/fp8", "uniform"]["impl"].endswith("scheduled")
+    assert not recs["triton/fp8", "uniform"]["impl"].endswith("scheduled")
     # FlashMLA: every call a fresh metadata object (filled in that call), ids -1 past each count, all K of them
     assert ops.calls and all(c["meta"] == {"initialized": False} for c in ops.calls)
     assert any(bool((c["idx"] == -1).any()) for c in ops.calls) and all(c["idx"].shape[-1] == 128 for c in ops.calls)
@@ -114,7 +116,7 @@ def test_section_records_work_proportionality_and_ratios(small, tmp_path) -> Non
     assert saved["serving"]["records"] == sec["records"] and saved["serving"]["ratios"] == sec["ratios"]
     # the markdown and the picture from the JSON
     text = plot.markdown(saved)
-    assert "**Serving section**" in text and "| 8 | 2 | triton/fp8 |" in text
+    assert "**Serving section**" in text and "| 8 | 2 | triton-sched/fp8 |" in text
     assert "triton/fp8 / flashmla/fp8_ds_mla" in text and "Worst proportionality from 32 rows: -" in text
     png = sv.plot_time_vs_work(saved["serving"], tmp_path)
     assert png.exists() and png.stat().st_size > 1000

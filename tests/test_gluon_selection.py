@@ -371,10 +371,14 @@ def test_few_heads_split_picks_match_the_h200_probe() -> None:
 
 
 @pytest.mark.skipif(glcommon.gl is None, reason=glcommon.gluon_unavailable_reason() or "Gluon unavailable")
+@pytest.mark.parametrize("scheduled", [False, True], ids=["static", "scheduled"])
 @pytest.mark.parametrize("which", ["gluon", "seesaw", "few", "few-nvfp4", "few-32"])
-def test_launchers_pass_every_kernel_argument(which: str) -> None:
+def test_launchers_pass_every_kernel_argument(which: str, scheduled: bool) -> None:
     """Runs on CPU: each launcher hands its kernel exactly the kernel's parameters (runtime ones positionally, the
-    constexprs by name), on the grid (head blocks, splits, rows). A GPU is needed for everything else."""
+    constexprs by name), on the grid (head blocks, splits, rows), or a scheduled launch's (head blocks, items, 1) with
+    its item table and SCHEDULED. A GPU is needed for everything else."""
+    from vllm_kimi_dsa.kernels.common import schedule as ksched
+    from vllm_kimi_dsa.planning.schedule import schedule_shape
     from vllm_kimi_dsa.formats import LATENT_DIM
     from vllm_kimi_dsa.kernels import gluon_few_heads
     from vllm_kimi_dsa.kernels.common import make_workspace
@@ -405,16 +409,21 @@ def test_launchers_pass_every_kernel_argument(which: str) -> None:
     else:
         params = nvfp4_params() if which == "few-nvfp4" else FewHeadsParams()
         fn, mod = gluon_few_heads.few_heads_kernel, gluon_few_heads
-    ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config())
+    shape = schedule_shape(rows, 128, heads, params.config(heads), 4)
+    ws = make_workspace("cpu", heads=heads, max_rows=rows, widths=(128,), config=params.config(),
+                        schedules=(shape,) if scheduled else ())
+    tabs = ksched.tables(ws.sched, shape) if scheduled else None
     real = getattr(mod, fn.__name__)
     setattr(mod, fn.__name__, FakeKernel(fn))
     try:
-        mod.launch(q, kv, slots, counts, out, None, 0.1, 1.0, ws, 1, params)
+        mod.launch(q, kv, slots, counts, out, None, 0.1, 1.0, ws, 1, params, 0, tabs)
     finally:
         setattr(mod, fn.__name__, real)
     names = list(fn.arg_names)
     consts = set(seen["kwargs"]) - {"num_warps"}  # num_warps is a launch option, not a parameter
-    assert seen["grid"] == ((1 if heads <= 16 else 2), 1, rows)
+    assert seen["kwargs"]["SCHEDULED"] is scheduled
+    assert seen["args"][names.index("items_ptr")] is (tabs.items if scheduled else counts)
+    assert seen["grid"] == ((1 if heads <= 16 else 2), shape.items if scheduled else 1, 1 if scheduled else rows)
     assert len(seen["args"]) + len(consts) == len(names), (len(seen["args"]), sorted(consts), names)
     assert consts == set(names[len(seen["args"]):])
 
@@ -425,32 +434,3 @@ def test_verified_variants() -> None:
     assert variants.VERIFIED_TRITON == dict.fromkeys(
         ("gluon64", "seesaw", "seesaw-pv-fp8", "seesaw-nvfp4", "few-fp8", "few-fp8-multi", "few-nvfp4",
          "few-nvfp4-multi", "pv_early"), ("3.6", "3.8")) | {"few-fp8-h8": ()}
-
-
-@pytest.mark.parametrize("fmt,heads", [("fp8", 128), ("fp8", 16), ("nvfp4_ds_mla", 24)])
-def test_plain_kernel_says_why_naming_the_triton_version(fmt: str, heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs on CPU, as on a Hopper GPU (Gluon available): where the bound Gluon variant was never GPU-tested on this
-    Triton, TritonDecode binds the plain kernel and plain_reason names the variant and the installed Triton version
-    (the startup line carries it); VLLM_KIMI_DSA_GLUON=0 and a device without Gluon give their own reasons; a
-    verified variant binds Gluon with no reason."""
-    import triton
-
-    from vllm_kimi_dsa import vllm_backend
-
-    monkeypatch.setattr(hopper_dispatch, "gluon_available", lambda device=None: True)
-    monkeypatch.delenv("VLLM_KIMI_DSA_GLUON", raising=False)
-    for variant in variants.VERIFIED_TRITON:
-        monkeypatch.setitem(variants.VERIFIED_TRITON, variant, ("0.1",))
-    k = TritonDecode(_setup(fmt, heads))
-    assert k.gluon is None and all(p == (None, None) for p in k.plan_params.values())
-    assert f"is not verified on Triton {triton.__version__}" in k.plain_reason and "0.1" in k.plain_reason
-    assert variants.hopper_kernel(fmt, heads) in k.plain_reason
-    step = type("Step", (), {"kernels": {4: "triton"}, "core": type("Core", (), {"decode_kernel": lambda s, r: k})()})
-    assert f"not Gluon: {k.plain_reason}" in vllm_backend._kernel_family(step)
-    monkeypatch.setenv("VLLM_KIMI_DSA_GLUON", "0")
-    assert TritonDecode(_setup(fmt, heads)).plain_reason == "VLLM_KIMI_DSA_GLUON=0"
-    monkeypatch.undo()
-    if not HOPPER:
-        assert "not a CUDA device" in TritonDecode(_setup(fmt, heads)).plain_reason
-    elif variants.verified(variants.hopper_kernel(fmt, heads)):
-        assert TritonDecode(_setup(fmt, heads)).plain_reason == ""

@@ -1,9 +1,9 @@
 """The GPU smoke part: every kernel form the Hopper dispatcher can launch, run once against the float32 reference.
 
 The forms come from the dispatcher itself (tests/served_forms.py: every head count 1..128, both cache formats, the
-LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1, every plan of 1..512 rows), one test
-a form, on the batch size that first launched it; the test asserts that form really ran. Run it first in every
-session that changes a kernel (`tools/device_run.sh tests part=smoke`).
+LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1, VLLM_KIMI_DSA_SCHEDULE static and
+counts, every plan of 1..512 rows), one test a form, on the batch size that first launched it; the test asserts that
+form really ran. Run it first in every session that changes a kernel (`tools/device_run.sh tests part=smoke`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ FORMS = list(served_forms.served_forms().values()) if GPU else []
 def _form_id(form: served_forms.Form) -> str:
     w = form.launch.where
     return (f"{form.name}-{w['fmt']}-H{w['heads']}-r{w['rows']}-lse{int(w['lse'])}-gluon{w['gluon'] or 'default'}"
-            f"-pv{w['fp8_pv']}")
+            f"-pv{w['fp8_pv']}-{w['schedule']}")
 
 
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
@@ -39,7 +39,7 @@ def test_served_form_matches_reference(form: served_forms.Form) -> None:
     q, kv, slots, counts, ss, os_ = random_case(rows, heads, served_forms.WIDTH, fmt, seed=1000 + heads + rows)
     setup = DecodeSetup(device=q.device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(),
                         widths=(served_forms.WIDTH,), return_lse=w["lse"], softmax_scale=ss, output_scale=os_)
-    with served_forms.as_on_hopper(w["gluon"], w["fp8_pv"]):
+    with served_forms.as_on_hopper(w["gluon"], w["fp8_pv"], w["schedule"]):
         kernel = TritonDecode(setup)
     out = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((rows, heads), float("nan"), device=q.device) if w["lse"] else None

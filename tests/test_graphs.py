@@ -1,7 +1,10 @@
 """CUDA graphs: convert + decode of several layers captured per batch size, replayed with inputs changed in place.
 
 Every replay must equal the eager run bit for bit, allocate nothing, and keep layers on the shared buffers apart.
-GPU only (a CPU cannot capture); K3.1 shapes (H=128, K=2048), both cache formats, about 10 s on an H200.
+The variants' rows have ragged counts (a row cut at a random length, one full, one of a single id, the count-0 row),
+changed between replays; the Hopper kernel runs its static plans and (VLLM_KIMI_DSA_SCHEDULE=counts) its scheduled
+launches, whose planner reads the new counts at every replay. GPU only (a CPU cannot capture); K3.1 shapes (H=128,
+K=2048), both cache formats, about 10 s a schedule on an H200.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import gc
 import pytest
 import torch
 
+from vllm_kimi_dsa import envs
 from vllm_kimi_dsa.selection import fi_kernels, kernel_for
 from vllm_kimi_dsa.formats import LATENT_DIM
 from vllm_kimi_dsa.synthetic import StandInImpl, StandInLayer, make_step
@@ -47,6 +51,11 @@ class _Inputs:
             q = [(torch.randn(s.query.shape, device=dev, generator=g) * 4).to(torch.float8_e4m3fn) for s in self.steps]
             t = torch.roll(self.steps[0].topk, shifts=37 * v, dims=1).clone()
             t[torch.rand(t.shape, device=dev, generator=g) < 0.05 * v] = -1
+            if v:  # ragged: each row cut at its own length (row `empty` keeps all, the next one id)
+                cut = torch.randint(1, WIDTH + 1, (rows, 1), device=dev, generator=g)
+                cut[empty:empty + 1] = WIDTH
+                cut[empty + 1:empty + 2] = 1
+                t[torch.arange(WIDTH, device=dev) >= cut] = -1
             t[:empty] = -1  # the count-0 row stays in every variant
             # a block-rotated cache: other bytes, still valid rows of the format
             # roll the bytes: torch.roll has no float8 CUDA kernel
@@ -90,8 +99,10 @@ def _replay_all(graph, cores, inputs, results, lses, eager, eager_lse, mismatche
     return allocated
 
 
+@pytest.mark.parametrize("schedule", ["static", "counts"])
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4_ds_mla"])
-def test_graph_replays_equal_eager_without_allocation(fmt):
+def test_graph_replays_equal_eager_without_allocation(fmt, schedule, monkeypatch):
+    monkeypatch.setenv(envs.SCHEDULE, schedule)
     dev = torch.device("cuda")
     available = fi_kernels(fmt, device=dev)
     table = {r: kernel_for(r, 1, available, HEADS) for r in BATCH_SIZES}

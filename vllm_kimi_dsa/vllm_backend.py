@@ -131,15 +131,11 @@ def _kernel_family(step: LayerStep) -> str:
         source = f"{path} (${KERNEL_TABLE})" if path else "the built-in table (unmeasured priors)"
         return f"{spec} from {source}"
     families: set[str] = set()
-    reasons: set[str] = set()
     kernels = {id(k): k for k in (step.core.decode_kernel(rows) for rows in step.kernels)}
     for kernel in kernels.values():
         for first, tail in getattr(kernel, "plan_params", {}).values():
             families.update((_params_name(first), _params_name(tail)))
-        if getattr(kernel, "plain_reason", ""):
-            reasons.add(kernel.plain_reason)
-    why = f", not Gluon: {'; '.join(sorted(reasons))}" if reasons else ""
-    return " + ".join(sorted(families)) + f" (this package's Triton kernels{why})"
+    return " + ".join(sorted(families)) + " (this package's Triton kernels)"
 
 
 def _params_name(params: Any) -> str:

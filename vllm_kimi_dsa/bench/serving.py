@@ -5,7 +5,8 @@ serving mix (log-normal contexts between 100 and 32,000 tokens, count = min(cont
 the rest 1..128) -- each record with its work ratio sum(counts) / (rows K) and proportionality (t / t_full) / work;
 serving_table and plot_time_vs_work draw the JSON's "serving" key.
 
-Ours: the kernel as the core binds it (triton/fp8: its plans made at construction). FlashMLA as vLLM's FLASHMLA_SPARSE
+Ours: the kernel as the core binds it (triton/fp8, VLLM_KIMI_DSA_SCHEDULE's default) and its scheduled launches
+(triton-sched/fp8: the device planner divides each call's tiles from its counts). FlashMLA as vLLM's FLASHMLA_SPARSE
 calls it: ids -1 past each count (it walks all K), a fresh scheduler metadata in every call (made in its time, as a
 step's first layer makes it). fa3 as a page-table kernel takes it: planned per input set on each row's valid prefix
 and its count (its plan is a host call, outside the graph). Every kernel of a point is timed in turn, the suite's
@@ -35,7 +36,7 @@ CONTEXT_MIN, CONTEXT_MAX = 100, 32000  # the serving mix's contexts: log-normal,
 CONTEXT_LOG_MEAN = 0.5 * (math.log(CONTEXT_MIN) + math.log(CONTEXT_MAX))
 CONTEXT_LOG_SD = (math.log(CONTEXT_MAX) - math.log(CONTEXT_MIN)) / 4  # the range is the mean +- 2 sd, clipped to it
 SKEW_SHORT = 128  # skewed: the short rows' most ids
-OURS = ("triton/fp8",)  # our kernels here
+OURS = {"triton/fp8": "static", "triton-sched/fp8": "counts"}  # our kernels here -> VLLM_KIMI_DSA_SCHEDULE
 PEER_KINDS = ("fa3/bf16", bs.FLASHMLA_KIND)
 
 
@@ -47,16 +48,16 @@ def points(quick: bool, rows: tuple[int, ...] | None, heads: tuple[int, ...] | N
 
 
 def warm(suite: bs.Suite, data: bs.Data, rows_list: tuple[int, ...], heads_list: tuple[int, ...]) -> None:
-    """One eager call of each of our kernels at every point (Triton compiles them),
+    """One eager call of each of our kernels at every point (Triton compiles them, the scheduled ones' planner too),
     while the peers build; failures are left for the section to record."""
     dev = suite.device
     for heads in heads_list:
         for rows in rows_list:
             inp = ragged_inputs(rows, heads, 1, "uniform", dev, data.base_rows, bf16=False)
-            for kind in OURS:
+            for kind, schedule in OURS.items():
                 fmt = kind.split("/", 1)[1]
                 try:
-                    bs.triton_kernel(fmt, heads, rows, dev)(
+                    bs.triton_kernel(fmt, heads, rows, dev, schedule=schedule)(
                         inp["q8"][0], data.window(fmt, 0), inp["slots"][0], inp["counts"][0], inp["outs"][0])
                 except Exception:  # noqa: BLE001 - recorded where it is measured
                     pass
@@ -113,7 +114,7 @@ def kernel_calls(kind: str, data: bs.Data, rows: int, heads: int, inp: dict[str,
     window = lambda fmt, s: data.window(fmt, bs.pool_of(s)[1])  # noqa: E731 - set s's cache rows
     if kind in OURS:
         fmt = kind.split("/", 1)[1]
-        call = bs.triton_kernel(fmt, heads, rows, dev)
+        call = bs.triton_kernel(fmt, heads, rows, dev, schedule=OURS[kind])
         calls = [lambda s=s: call(inp["q8"][s], window(fmt, s), inp["slots"][s], inp["counts"][s], inp["outs"][s])
                  for s in range(sets)]
         return calls, {"fmt": fmt, "impl": call.impl, "q_bytes": 1, "compute": "fp8qk", "kv_kind": fmt}
@@ -286,7 +287,7 @@ def plot_time_vs_work(section: dict[str, Any], out_dir: str | Path) -> Path:
     for ax, heads in zip(axes.flat, heads_all):
         for kind in sorted({r["kernel"] for r in recs}):
             pts = [r for r in recs if r["heads"] == heads and r["kernel"] == kind]
-            color = {"triton/fp8": "tab:blue", "fa3/bf16": "tab:orange",
+            color = {"triton/fp8": "tab:blue", "triton-sched/fp8": "tab:purple", "fa3/bf16": "tab:orange",
                      bs.FLASHMLA_KIND: "tab:brown"}.get(kind)
             for rows in sorted({r["rows"] for r in pts}):
                 xy = sorted((r["work"], r["us"] / r["full_us"]) for r in pts if r["rows"] == rows)

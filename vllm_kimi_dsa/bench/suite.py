@@ -216,9 +216,11 @@ def even_plans() -> Iterator[None]:
 
 
 def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: bool = True,
-                  fp8_pv: bool = False, kernel_scales: tuple[float, float] | None = None) -> Callable[..., None]:
+                  fp8_pv: bool = False, kernel_scales: tuple[float, float] | None = None,
+                  schedule: str = "static") -> Callable[..., None]:
     """Our kernel as the core binds it; lead False: even plans only (--even); fp8_pv: VLLM_KIMI_DSA_FP8_PV=1;
-    kernel_scales: (softmax_scale, output_scale) (default: scales(fmt), the timing data's)."""
+    kernel_scales: (softmax_scale, output_scale) (default: scales(fmt), the timing data's); schedule:
+    VLLM_KIMI_DSA_SCHEDULE ("counts": the scheduled launches)."""
     from vllm_kimi_dsa.kernels.base import DecodeSetup
     from vllm_kimi_dsa.backends.hopper import TritonDecode
 
@@ -226,7 +228,7 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: b
     setup = DecodeSetup(device=device, fmt=fmt, heads=heads, row_counts=(rows,), capacities=(), widths=(K,),
                         return_lse=False, softmax_scale=sm, output_scale=osc)
     with contextlib.nullcontext() if lead else even_plans(), \
-            mock.patch.dict(os.environ, {envs.FP8_PV: "1" if fp8_pv else "0"}):
+            mock.patch.dict(os.environ, {envs.FP8_PV: "1" if fp8_pv else "0", envs.SCHEDULE: schedule}):
         kernel = TritonDecode(setup)
 
     def call(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
@@ -236,7 +238,8 @@ def triton_kernel(fmt: str, heads: int, rows: int, device: torch.device, lead: b
     # kernel ("SeesawParams+GluonParams": whole rows on the seesaw kernel, the split rest on the 64-head kernel)
     picked = dict.fromkeys("tl" if p is None else type(p).__name__ for p in kernel.plan_params[rows, K])
     lead_tiles = kernel.plan_leads[rows, K]
-    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "")  # type: ignore[attr-defined]
+    call.impl = "+".join(picked) + (f" lead {lead_tiles}" if lead_tiles else "") + (  # type: ignore[attr-defined]
+        " scheduled" if kernel.scheduled else "")
     return call
 
 

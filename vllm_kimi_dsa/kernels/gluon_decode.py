@@ -28,13 +28,12 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     mbarrier,
     normalizers,
     one_off_call,
-    row_split,
-    split_tiles,
     store_latent,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
     wgmma_store_layout,
+    work_item,
 )
 from vllm_kimi_dsa.planning import Config, gluon_config
 from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_H as BLOCK_H
@@ -78,7 +77,7 @@ if gl is not None:
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
         k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, hb, num_tiles, H, num_splits,
+        row, part, hb, num_tiles, H,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_SLOTS: gl.constexpr,
@@ -153,17 +152,17 @@ if gl is not None:
         _exchange()
         l_i = x_s.index(xb * 2).load(head_s_layout) + x_s.index(xb * 2 + 1).load(head_s_layout)
 
-        _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
+        _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, part, hb, H,
                       stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, s_layout, o_layout)
 
     @gluon.jit
     def _store_result(
-        acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H, num_splits,
+        acc, m_i, l_i, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, part, hb, H,
         stride_o_row, stride_o_head, stride_lse_row, out_scale,
         HALF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
     ):
-        """Epilogue, as the plain kernel's: a consumer's 256 columns (bf16 out, or the fp16 split partial);
-        consumer 0 also the LSE."""
+        """Epilogue, as the plain kernel's: a consumer's 256 columns (bf16 out; part >= 0: the fp16 partial at entries
+        part * H + head); consumer 0 also the LSE."""
         DH: gl.constexpr = 256
         head_s_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         head_o_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -175,14 +174,14 @@ if gl is not None:
         offs_h_s = hb * _BH + gl.arange(0, _BH, head_s_layout)
         mask_h_s = offs_h_s < H
         mask_o = gl.expand_dims(mask_h, 1) & gl.expand_dims(offs_d < _D, 0)
-        if num_splits == 1:
+        if part < 0:
             o_ptrs = (out_ptr + row.to(gl.int64) * stride_o_row + gl.expand_dims(offs_h * stride_o_head, 1)
                       + gl.expand_dims(offs_d, 0))
             gl.store(o_ptrs, (o * out_scale).to(gl.bfloat16), mask=mask_o)
             if HALF == 0:
                 gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * LN2, mask=mask_h_s)
         else:
-            base = (row * num_splits + split) * H
+            base = part * H
             # fp16 partials: 4 bytes a lane from the accumulator's layout (half sectors); stored from whole sectors
             store_latent(gl.permute(o, (1, 0)), part_out_ptr + base.to(gl.int64) * _D + HALF * DH, _D, hb * _BH,
                          H, wgmma_store_layout())
@@ -236,7 +235,7 @@ if gl is not None:
 
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def gluon_decode_kernel(
-        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        q_ptr, kv_ptr, slots_ptr, counts_ptr, items_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
@@ -248,12 +247,15 @@ if gl is not None:
         CVT_ROWS: gl.constexpr,  # rows the producer converts a step (register use vs. loads in flight)
         CONSUMER_REGS: gl.constexpr,  # setmaxnreg of consumer WG1 (WG0 gets 504 - the two requests)
         PRODUCER_REGS: gl.constexpr,  # setmaxnreg of the producer
+        SCHEDULED: gl.constexpr = False,  # grid (head blocks, items): each CTA's piece from items_ptr (work_item)
     ):
         """One (64-head block, KV split, row), as triton_decode.decode_kernel with BLOCK_H=64, fp8, SWAP=False."""
         hb = gl.program_id(0)
-        row, split = row_split(num_splits, lead_tiles)
-
-        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
+        row, start, end, num_tiles, part = work_item(items_ptr, counts_ptr, num_splits, lead_tiles, K, BLOCK_N,
+                                                     SCHEDULED)
+        if SCHEDULED:
+            if row < 0:  # an idle item
+                return
 
         v16_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(_BH, BLOCK_N, K_STAGES)
@@ -301,13 +303,13 @@ if gl is not None:
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
                              k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
+                             row, part, hb, num_tiles, H,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              0, BLOCK_N, K_STAGES, V_SLOTS)),
                 (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, v16_s, bias_s, p_s, x_s,
                              k_ready, k_empty, v_ready, v_empty, x_ready, p_ready,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, hb, num_tiles, H, num_splits,
+                             row, part, hb, num_tiles, H,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              1, BLOCK_N, K_STAGES, V_SLOTS)),
                 (_producer, (k_lat_s, k_rope_s, v16_s, bias_s, k_ready, k_empty, v_ready, v_empty,
@@ -346,8 +348,9 @@ class GluonParams:
             raise ValueError(f"k_stages >= 2 and v_slots >= 2 must fit 227 KB of shared memory, got "
                              f"{self.k_stages}, {self.v_slots} ({smem} B)")
 
-    def config(self) -> Config:
-        """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM)."""
+    def config(self, heads: int | None = None) -> Config:
+        """The triton_decode.Config the split heuristic and the workspace see (64-head tiles, 1 CTA an SM; any head
+        count: the few-heads params' signature)."""
         return gluon_config(self.block_n)
 
 
@@ -358,11 +361,12 @@ def kernel_constexprs(params: GluonParams) -> dict[str, Any]:
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: Workspace, splits: int, params: GluonParams, lead_tiles: int = 0) -> Any:
-    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+           ws: Workspace, splits: int, params: GluonParams, lead_tiles: int = 0, tabs: Any = None) -> Any:
+    """The main kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync. tabs: a
+    scheduled launch's tables (common.schedule.ScheduleTables) instead of splits."""
     return launch_kernel(gluon_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots, counts,
                          out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
-                         lead_tiles=lead_tiles)
+                         lead_tiles=lead_tiles, tabs=tabs)
 
 
 def gluon_sparse_mla_decode(
@@ -384,6 +388,7 @@ def gluon_sparse_mla_decode(
     consumer_regs: int = DEFAULT_CONSUMER_REGS,
     producer_regs: int = DEFAULT_PRODUCER_REGS,
     lead_tiles: int = 0,
+    scheduled: bool = False,
 ) -> Any:
     """Sparse MLA decode of an fp8 cache with the warp-specialized Gluon kernel, as triton_decode.sparse_mla_decode.
 
@@ -394,13 +399,13 @@ def gluon_sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: make_workspace(..., config=gluon_config(block_n)) (None allocates one: tests only).
     splits: KV splits a row (None: triton_decode.choose_splits with gluon_config(block_n)).
-    block_n .. producer_regs: GluonParams' fields; lead_tiles: as triton_decode.sparse_mla_decode's.
+    block_n .. producer_regs: GluonParams' fields; lead_tiles, scheduled: as triton_decode.sparse_mla_decode's.
     Count 0 -> out 0, lse -inf. Returns the compiled kernel handle (registers, asm).
     """
     params = GluonParams(block_n=block_n, k_stages=k_stages, v_slots=v_slots, cvt_rows=cvt_rows,
                          consumer_regs=consumer_regs, producer_regs=producer_regs)
     return one_off_call(launch, params, "fp8", _bad_heads, query, kv_rows, slots, counts, out, lse, softmax_scale,
-                        output_scale, workspace, splits, lead_tiles)
+                        output_scale, workspace, splits, lead_tiles, scheduled)
 
 
 def _bad_heads(heads: int) -> str:

@@ -32,13 +32,12 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     mbarrier,
     normalizers,
     one_off_call,
-    row_split,
-    split_tiles,
     store_latent,
     store_q,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
+    work_item,
 )
 from vllm_kimi_dsa.planning import Config
 from vllm_kimi_dsa.planning.configs import FEW_BLOCK_H as BLOCK_H
@@ -187,41 +186,42 @@ if gl is not None:
 
     @gluon.jit
     def _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale,
+                       row, part, h0, H, stride_o_row, stride_o_head, stride_lse_row, out_scale,
                        BH: gl.constexpr):
         """The epilogue for REG_V's accumulators, as the plain kernel's: O^T back to latent order in the thread (row i = 64 m
         + 16 w + 8 h + r of acc0 / acc1 (half) is dim 128 w + 16 r + 8 half + 2 m + h), then stored in whole
-        sectors (latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x)."""
+        sectors (latent_store_layout: the MMA order wrote 8x the sectors, the in-thread order 2-4x); part >= 0: the
+        partial at entries part * H + head."""
         l_i = gl.sum(l_acc, axis=0)
         o = gl.reshape(gl.join(acc0, acc1), [4, 4, 2, 8, BH, 2])
         o = gl.convert_layout(gl.reshape(gl.permute(o, (1, 3, 5, 0, 2, 4)), [512, BH]), _O_STORE_LAYOUT)
         inv, lse2 = normalizers(l_i, m_i)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
-        if num_splits == 1:
+        if part < 0:
             store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row, stride_o_head, h0, H,
                             latent_store_layout(512, BH, 16, 2))
         else:
-            store_latent(o, part_out_ptr + ((row * num_splits + split) * H).to(gl.int64) * _D, _D, h0, H,
+            store_latent(o, part_out_ptr + (part * H).to(gl.int64) * _D, _D, h0, H,
                             latent_store_layout(512, BH, 16, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH)
+        _store_lse(lse2, lse_ptr, part_lse_ptr, row, part, h0, H, stride_lse_row, BH)
 
     @gluon.jit
     def _regv_consumer(
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, num_tiles, H, num_splits,
+        row, part, h0, num_tiles, H,
         stride_o_row, stride_o_head, stride_lse_row,
         qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, PV_EARLY: gl.constexpr,
         c_ready=None, c_empty=None, CONVERTED: gl.constexpr = False, fac_s=None,
     ):
-        """The REG_V consumer (fp8 rows, or nvfp4 rows CONVERTED to e4m3): _regv_tiles over this split's tiles, then
+        """The REG_V consumer (fp8 rows, or nvfp4 rows CONVERTED to e4m3): _regv_tiles over this piece's tiles, then
         the epilogue."""
         acc0, acc1, m_i, l_acc = _regv_tiles(q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
                                              0, num_tiles, qk_scale, BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY,
                                              c_ready, c_empty, CONVERTED, fac_s)
         _regv_epilogue(acc0, acc1, m_i, l_acc, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                       row, split, h0, H, num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
+                       row, part, h0, H, stride_o_row, stride_o_head, stride_lse_row, out_scale, BH)
 
     @gluon.jit
     def _softmax_step(s, bias, m_i, l_acc, acc0, acc1, qk_scale, head_o_layout: gl.constexpr):
@@ -237,13 +237,13 @@ if gl is not None:
         return p, m_new, l_acc, acc0 * alpha_o, acc1 * alpha_o
 
     @gluon.jit
-    def _store_lse(lse2, lse_ptr, part_lse_ptr, row, split, h0, H, num_splits, stride_lse_row, BH: gl.constexpr):
-        """The LSE (natural log) of an unsplit row, or a split's base-2 LSE beside its partial."""
+    def _store_lse(lse2, lse_ptr, part_lse_ptr, row, part, h0, H, stride_lse_row, BH: gl.constexpr):
+        """The LSE (natural log) of a whole row (part < 0), or a piece's base-2 LSE beside its partial."""
         offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(0, _mma_layout(BH, 32)))
-        if num_splits == 1:
+        if part < 0:
             gl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * LN2, mask=offs_h < H)
         else:
-            gl.store(part_lse_ptr + (row * num_splits + split) * H + offs_h, lse2, mask=offs_h < H)
+            gl.store(part_lse_ptr + part * H + offs_h, lse2, mask=offs_h < H)
 
     _PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # P (heads x 64 tokens, fp16) as the wgmma's B operand
@@ -283,7 +283,7 @@ if gl is not None:
     @gluon.jit
     def _nvfp4_e4m3_body(
         q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, h0, start, end, num_tiles, H, num_splits,
+        row, part, h0, start, end, num_tiles, H,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         BH: gl.constexpr, K_STAGES: gl.constexpr, CVT_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -310,7 +310,7 @@ if gl is not None:
             [
                 (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
                                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                  row, split, h0, num_tiles, H, num_splits,
+                                  row, part, h0, num_tiles, H,
                                   stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                   BH, K_STAGES, PV_IN_FLIGHT, False, c_ready, c_empty, True, fac_s)),
                 (gatherer, (pk_s, k_rope_s, bias_s, k_ready, k_empty,
@@ -325,7 +325,7 @@ if gl is not None:
 
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def few_heads_kernel(
-        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        q_ptr, kv_ptr, slots_ptr, counts_ptr, items_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
@@ -340,18 +340,22 @@ if gl is not None:
         PV_IN_FLIGHT: gl.constexpr = 4,  # REG_V: P.V chunks (of 4) whose register operands are in flight at once
         PV_EARLY: gl.constexpr = False,  # REG_V: P.V of tile it - 1 issued before the wait for tile it
         CVT_REGS: gl.constexpr = 136,  # nvfp4: setmaxnreg of the converter
+        SCHEDULED: gl.constexpr = False,  # grid (head blocks, items): each CTA's piece from items_ptr (work_item)
     ):
         """One (head block, split, row): triton_decode.decode_kernel with SWAP and BLOCK_H = BH."""
-        row, split = row_split(num_splits, lead_tiles)
+        row, start, end, num_tiles, part = work_item(items_ptr, counts_ptr, num_splits, lead_tiles, K, _BN,
+                                                     SCHEDULED)
+        if SCHEDULED:
+            if row < 0:  # an idle item
+                return
         if MULTI_HB:
             h0 = gl.program_id(0) * BH
         else:
             h0 = 0
 
-        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
         if NVFP4:
             _nvfp4_e4m3_body(q_ptr, kv_ptr, slots_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                             row, split, h0, start, end, num_tiles, H, num_splits,
+                             row, part, h0, start, end, num_tiles, H,
                              stride_q_row, stride_q_head, stride_kv, stride_s_row,
                              stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                              BH, K_STAGES, CVT_ROWS, PRODUCER_REGS, CVT_REGS, PV_IN_FLIGHT)
@@ -370,7 +374,7 @@ if gl is not None:
             [
                 (_regv_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, k_ready, k_empty,
                                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                  row, split, h0, num_tiles, H, num_splits,
+                                  row, part, h0, num_tiles, H,
                                   stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                   BH, K_STAGES, PV_IN_FLIGHT, PV_EARLY)),
                 (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
@@ -479,13 +483,13 @@ def kernel_constexprs(params: FewHeadsParams, heads: int = BLOCK_H) -> dict[str,
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0) -> Any:
+           ws: Workspace, splits: int, params: FewHeadsParams, lead_tiles: int = 0, tabs: Any = None) -> Any:
     """The main kernel (params.block_h-head blocks) and the combine when splits > 1: inputs already checked, no
-    allocation, no sync."""
+    allocation, no sync. tabs: a scheduled launch's tables (common.schedule.ScheduleTables) instead of splits."""
     heads = query.shape[1]
     return launch_kernel(few_heads_kernel, -(-heads // params.block_h), query, kv_rows, slots, counts, out, lse,
                             softmax_scale, output_scale, ws, splits, kernel_constexprs(params, heads),
-                            params.launch_options(), lead_tiles=lead_tiles)
+                            params.launch_options(), lead_tiles=lead_tiles, tabs=tabs)
 
 
 def few_heads_sparse_mla_decode(
@@ -502,17 +506,18 @@ def few_heads_sparse_mla_decode(
     splits: int | None = None,
     params: FewHeadsParams | None = None,
     lead_tiles: int = 0,
+    scheduled: bool = False,
 ) -> Any:
     """Sparse MLA decode for <= 32 heads with this file's kernel, as gluon_sparse_mla_decode: an fp8 cache, or an
     nvfp4_ds_mla one with params=nvfp4_params() (or any FewHeadsParams with nvfp4=True).
 
     query: (rows, H, 576) float8_e4m3fn, 1 <= H <= 32 (MAX_HEADS; above params.block_h, blocks of that many).
-    Other arguments (lead_tiles too) as triton_decode.sparse_mla_decode; workspace from
+    Other arguments (lead_tiles, scheduled too) as triton_decode.sparse_mla_decode; workspace from
     make_workspace(config=params.config()). Returns the compiled kernel handle.
     """
     params = params or reg_v_params()
     return one_off_call(launch, params, "nvfp4_ds_mla" if params.nvfp4 else "fp8", _bad_heads, query, kv_rows, slots,
-                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles)
+                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles, scheduled)
 
 
 def _bad_heads(heads: int) -> str:

@@ -28,13 +28,12 @@ from vllm_kimi_dsa.kernels.common.gluon import (
     mbarrier,
     nvfp4_gatherer,
     one_off_call,
-    row_split,
-    split_tiles,
     store_latent,
     store_q,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
+    work_item,
 )
 from vllm_kimi_dsa.planning import Config, gluon_config
 from vllm_kimi_dsa.planning.configs import GLUON64_BLOCK_H as BLOCK_H
@@ -186,11 +185,12 @@ if gl is not None:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr,
+    def _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, part, hb, H,
+                  stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF: gl.constexpr,
                   PV_FP8: gl.constexpr = False):
         """Both consumers' row-sum shares added (l_s, l_ready), then this consumer's 256 latent dims normalized into
-        out (bf16) or the split partial (fp16), and (consumer 0) the LSE, as the plain kernel's epilogue."""
+        out (bf16) or (part >= 0) the partial (fp16, entries part * H + head), and (consumer 0) the LSE, as the plain
+        kernel's epilogue."""
         head_s: gl.constexpr = gl.SliceLayout(1, _S_LAYOUT)
         l_s.index(HALF).store(l_i)
         mbarrier.arrive(l_ready.index(0))
@@ -206,13 +206,13 @@ if gl is not None:
         o = gl.convert_layout(o, _O_STORE_LAYOUT)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, _O_STORE_LAYOUT)), 0)
         offs_h_s = hb * _BH + gl.arange(0, _BH, head_s)
-        if num_splits == 1:
+        if part < 0:
             store_latent(o * out_scale, out_ptr + row.to(gl.int64) * stride_o_row + 256 * HALF, stride_o_head,
                             hb * _BH, H, _O_STORE_LAYOUT)
             if HALF == 0:
                 gl.store(lse_ptr + row * stride_lse_row + offs_h_s, lse2 * LN2, mask=offs_h_s < H)
         else:
-            base = (row * num_splits + split) * H
+            base = part * H
             store_latent(o, part_out_ptr + base.to(gl.int64) * 512 + 256 * HALF, 512, hb * _BH, H,
                             latent_store_layout(256, _BH, 8, part_out_ptr.dtype.element_ty.primitive_bitwidth // 8))
             if HALF == 0:
@@ -223,7 +223,7 @@ if gl is not None:
         q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
         k_ready, k_empty, p_ready, p_empty, l_ready,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-        row, split, hb, num_tiles, H, num_splits,
+        row, part, hb, num_tiles, H,
         stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
         HALF: gl.constexpr, K_STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, fac_s=None, NVFP4: gl.constexpr = False,
         PV_FP8: gl.constexpr = False,
@@ -253,12 +253,12 @@ if gl is not None:
         if (num_tiles > 0) & ((num_tiles - 1) % 2 != HALF):  # the last tile is the other's
             m_i, l_i, acc = _other_tile(num_tiles - 1, m_i, l_i, acc, k_lat_s, p_s, x_s, k_ready, k_empty, p_ready,
                                         p_empty, HALF, K_STAGES, IN_FLIGHT, PV_FP8)
-        _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, split, hb, H,
-                  num_splits, stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, PV_FP8)
+        _epilogue(acc, m_i, l_i, l_s, l_ready, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, part, hb, H,
+                  stride_o_row, stride_o_head, stride_lse_row, out_scale, HALF, PV_FP8)
 
     @gluon.jit(do_not_specialize=["lead_tiles"])  # one compile for every plan's lead
     def seesaw_decode_kernel(
-        q_ptr, kv_ptr, slots_ptr, counts_ptr,
+        q_ptr, kv_ptr, slots_ptr, counts_ptr, items_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         H, K, num_splits, lead_tiles,
         stride_q_row, stride_q_head, stride_kv, stride_s_row,
@@ -272,12 +272,16 @@ if gl is not None:
         R_STAGES: gl.constexpr = 2,  # NVFP4: the packed ring's depth (22.3 KB a stage)
         CVT_ROWS: gl.constexpr = 8,  # NVFP4: rows a conversion step
         PV_FP8: gl.constexpr = False,  # P.V on e4m3 wgmma: P rounded to e4m3 (fp8 rows only)
+        SCHEDULED: gl.constexpr = False,  # grid (head blocks, items): each CTA's piece from items_ptr (work_item)
     ):
         """One (64-head block, KV split, row), as gluon_decode.gluon_decode_kernel. NVFP4: the consumers read the
         e4m3 K stages nvfp4_gatherer writes (formats.nvfp4_as_fp8 of the rows)."""
         hb = gl.program_id(0)
-        row, split = row_split(num_splits, lead_tiles)
-        start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, _BN)
+        row, start, end, num_tiles, part = work_item(items_ptr, counts_ptr, num_splits, lead_tiles, K, _BN,
+                                                     SCHEDULED)
+        if SCHEDULED:
+            if row < 0:  # an idle item
+                return
 
         q_lat_s, q_rope_s, k_lat_s, k_rope_s = alloc_fp8_q_and_ring(_BH, _BN, K_STAGES)
         if PV_FP8:
@@ -325,13 +329,13 @@ if gl is not None:
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
+                                 row, part, hb, num_tiles, H,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  0, K_STAGES, PV_IN_FLIGHT, fac_s, True)),
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
+                                 row, part, hb, num_tiles, H,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  1, K_STAGES, PV_IN_FLIGHT, fac_s, True)),
                     (nvfp4_gatherer, (pk_s, sc_s, rope_s, bias_raw_s, k_lat_s, k_rope_s, bias_s, fac_s, scf_s, r_ready,
@@ -347,13 +351,13 @@ if gl is not None:
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
+                                 row, part, hb, num_tiles, H,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  0, K_STAGES, PV_IN_FLIGHT, None, False, PV_FP8)),
                     (_consumer, (q_lat_s, q_rope_s, k_lat_s, k_rope_s, bias_s, p_s, x_s, l_s,
                                  k_ready, k_empty, p_ready, p_empty, l_ready,
                                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                                 row, split, hb, num_tiles, H, num_splits,
+                                 row, part, hb, num_tiles, H,
                                  stride_o_row, stride_o_head, stride_lse_row, qk_scale, out_scale,
                                  1, K_STAGES, PV_IN_FLIGHT, None, False, PV_FP8)),
                     (gatherer, (k_lat_s, k_rope_s, bias_s, k_ready, k_empty,
@@ -433,24 +437,25 @@ def kernel_constexprs(params: SeesawParams) -> dict[str, Any]:
 
 
 def launch(query, kv_rows, slots, counts, out, lse, softmax_scale: float, output_scale: float,
-           ws: Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0) -> Any:
-    """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync."""
+           ws: Workspace, splits: int, params: SeesawParams, lead_tiles: int = 0, tabs: Any = None) -> Any:
+    """The kernel (and the combine when splits > 1) on inputs already checked: no allocation, no sync. tabs: a
+    scheduled launch's tables (common.schedule.ScheduleTables) instead of splits."""
     return launch_kernel(seesaw_decode_kernel, cdiv(query.shape[1], BLOCK_H), query, kv_rows, slots,
                             counts, out, lse, softmax_scale, output_scale, ws, splits, kernel_constexprs(params),
-                            lead_tiles=lead_tiles)
+                            lead_tiles=lead_tiles, tabs=tabs)
 
 
 def seesaw_sparse_mla_decode(query, kv_rows, slots, counts, *, softmax_scale: float, output_scale: float, out, lse=None,
                              workspace: Workspace | None = None, splits: int | None = None,
-                             params: SeesawParams | None = None, lead_tiles: int = 0) -> Any:
+                             params: SeesawParams | None = None, lead_tiles: int = 0, scheduled: bool = False) -> Any:
     """Sparse MLA decode of an fp8 cache (params.nvfp4: an nvfp4_ds_mla one) with the seesaw kernel:
     gluon_decode.gluon_sparse_mla_decode's contract
     (query (rows, H > 32, 576) e4m3, out (rows, H, 512) bf16 written in full, lse natural log or None; workspace
     from triton_decode.make_workspace with params.config(); None allocates one: tests only; lead_tiles as
-    triton_decode.sparse_mla_decode's)."""
+    triton_decode.sparse_mla_decode's; scheduled: a scheduled launch, as there)."""
     params = params or SeesawParams()
     return one_off_call(launch, params, "nvfp4_ds_mla" if params.nvfp4 else "fp8", _bad_heads, query, kv_rows, slots,
-                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles)
+                        counts, out, lse, softmax_scale, output_scale, workspace, splits, lead_tiles, scheduled)
 
 
 def _bad_heads(heads: int) -> str:

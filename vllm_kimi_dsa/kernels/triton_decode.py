@@ -3,7 +3,7 @@ interpreter; its launch over a planning.Config and the one-off sparse_mla_decode
 
 Many heads: 64-head tiles (fp8 Q.K on wgmma, fp16 P.V). Few heads, fp8: the transposed form (tokens on the MMA's M,
 heads on N). nvfp4 rows are dequantized to exact fp16 in the kernel. Splits are even (the lead plans are the Gluon
-kernels').
+kernels'), or a scheduled launch's pieces (launch_scheduled: the device planner's items).
 """
 
 from __future__ import annotations
@@ -15,40 +15,53 @@ import triton.language as tl
 from vllm_kimi_dsa.formats import CacheFormat, normalize_format
 from vllm_kimi_dsa.host_math import cdiv
 from vllm_kimi_dsa.kernels.common import LN2, LOG2E, Workspace, check_inputs, combine, one_off_scratch, scratch
+from vllm_kimi_dsa.kernels.common.combine import combine_scheduled
+from vllm_kimi_dsa.kernels.common.schedule import ScheduleTables, plan_schedule, tables
+from vllm_kimi_dsa.kernels.common.workspace import make_workspace, num_sms, scheduled_scratch
+from vllm_kimi_dsa.planning.schedule import schedule_shape
 from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_PAIRS_PTX
 from vllm_kimi_dsa.planning import Config, default_config
 
 
 @triton.jit
 def _epilogue(
-    acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
+    acc, m_i, l_i, offs_h, mask_h, row, part,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     stride_o_row, stride_o_head, stride_lse_row, H, out_scale,
     BLOCK_H: tl.constexpr, D: tl.constexpr,
 ):
-    """Normalize and store the output and LSE (or, with several splits, the split's partial and base-2 LSE)."""
+    """Normalize and store the output and LSE (part < 0: the row is whole), or the piece's partial and base-2 LSE
+    at entries part * H + head."""
     has = l_i > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc * inv[:, None]
     offs_d = tl.arange(0, D)
-    if num_splits == 1:
+    if part < 0:
         o_ptrs = out_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :]
         tl.store(o_ptrs, (o * out_scale).to(tl.bfloat16), mask=mask_h[:, None])
         tl.store(lse_ptr + row * stride_lse_row + offs_h, lse2 * LN2, mask=mask_h)
     else:
-        base = (row * num_splits + split) * H
+        base = part * H
         p_ptrs = part_out_ptr + (base + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :]
         tl.store(p_ptrs, o.to(part_out_ptr.dtype.element_ty), mask=mask_h[:, None])
         tl.store(part_lse_ptr + base + offs_h, lse2, mask=mask_h)
 
 
 @triton.jit
-def _row_split():
-    """(row, split) of this program on grid (head blocks, splits, rows)."""
-    split = tl.program_id(1)
-    row = tl.program_id(2)
-    return row, split
+def _work(items_ptr, counts_ptr, num_splits, K, BLOCK_N: tl.constexpr, SCHEDULED: tl.constexpr):
+    """(row, start, end, part) of this program: SCHEDULED, item program_id(1) of the planner's table (grid (head
+    blocks, items); row -1: idle); else split program_id(1) of row program_id(2) (grid (head blocks, splits, rows)),
+    even pieces. part: the piece's partial entry row (entries part * H + head), -1 where the row is whole."""
+    if SCHEDULED:  # item program_id(1): (row, start, end, part)
+        item = items_ptr + tl.program_id(1) * 4
+        row, start, end, part = tl.load(item), tl.load(item + 1), tl.load(item + 2), tl.load(item + 3)
+    else:
+        split = tl.program_id(1)
+        row = tl.program_id(2)
+        start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
+        part = tl.where(num_splits > 1, row * num_splits + split, -1)
+    return row, start, end, part
 
 
 @triton.jit
@@ -243,7 +256,7 @@ def _head_major(acc, SWAP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["lead_tiles"])
 def decode_kernel(
-    q_ptr, kv_ptr, slots_ptr, counts_ptr,
+    q_ptr, kv_ptr, slots_ptr, counts_ptr, items_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     H, K, num_splits, lead_tiles,
     stride_q_row, stride_q_head, stride_kv, stride_s_row,
@@ -256,6 +269,7 @@ def decode_kernel(
     LAZY: tl.constexpr,  # rescale the accumulator only when the running max grows by > 2**8
     SWAP: tl.constexpr,  # transposed dots: S^T = K Q^T, O^T = V^T P^T
     PTX: tl.constexpr,  # inline PTX where it helps (a GPU); False: the pure-Triton twin (the interpreter)
+    SCHEDULED: tl.constexpr = False,  # grid (head blocks, items): each program's piece from items_ptr's table
 ):
     """One (head block, KV split, row): online softmax over the split's tiles of gathered rows.
 
@@ -264,14 +278,16 @@ def decode_kernel(
     falls back to mma.sync.
     """
     hb = tl.program_id(0)
-    row, split = _row_split()  # lead_tiles: the decode kernels' common arguments; this one splits evenly
+    # lead_tiles: the decode kernels' common arguments; this one splits evenly
+    row, start, end, part = _work(items_ptr, counts_ptr, num_splits, K, BLOCK_N, SCHEDULED)
+    if row < 0:  # an idle item of a scheduled launch
+        return
     D: tl.constexpr = 512
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     q_base = q_ptr + row.to(tl.int64) * stride_q_row + offs_h[:, None] * stride_q_head
     q_rope = tl.load(q_base + D + tl.arange(0, 64)[None, :], mask=mask_h[:, None], other=0.0)
-    start, end = _split_range(counts_ptr, row, split, num_splits, K, BLOCK_N)
     s_base = slots_ptr + row.to(tl.int64) * stride_s_row
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -323,7 +339,7 @@ def decode_kernel(
             acc = _pv(pb, v, acc, SWAP)
         acc = _head_major(acc, SWAP)
 
-    _epilogue(acc, m_i, l_i, offs_h, mask_h, row, split, num_splits,
+    _epilogue(acc, m_i, l_i, offs_h, mask_h, row, part,
               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
               stride_o_row, stride_o_head, stride_lse_row, H, out_scale, BLOCK_H, D)
 
@@ -335,7 +351,7 @@ def launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_s
     rows, heads = query.shape[0], query.shape[1]
     splits, lse_t = scratch(ws, rows, heads, splits, lse)
     compiled = decode_kernel[(cdiv(heads, cfg.block_h), splits, rows)](
-        query, kv_rows, slots, counts,
+        query, kv_rows, slots, counts, counts,  # (items_ptr: unread by an unscheduled launch)
         out, lse_t, ws.part_out, ws.part_lse,
         heads, slots.shape[1], splits, 0,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
@@ -346,6 +362,29 @@ def launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_s
         num_stages=cfg.num_stages,
     )
     combine(ws, out, lse_t, splits, output_scale)
+    return compiled
+
+
+def launch_scheduled(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, ws: Workspace,
+                     cfg: Config, tabs: ScheduleTables):
+    """A scheduled launch: the planner (common.schedule) divides this call's tiles from the counts, decode_kernel runs
+    its items (grid head blocks x tabs.shape.items; idle items return at once), the combine merges its split rows.
+    Inputs already checked, no allocation, no sync. Returns the decode kernel's compiled handle."""
+    heads = query.shape[1]
+    lse_t = scheduled_scratch(ws, tabs, heads, lse)
+    plan_schedule(counts, slots.shape[1], tabs)
+    compiled = decode_kernel[(cdiv(heads, cfg.block_h), tabs.shape.items, 1)](
+        query, kv_rows, slots, counts, tabs.items,
+        out, lse_t, ws.part_out, ws.part_lse,
+        heads, slots.shape[1], 1, 0,
+        query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
+        out.stride(0), out.stride(1), lse_t.stride(0),
+        softmax_scale * LOG2E, output_scale,
+        NVFP4=fmt != "fp8", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        PREFETCH=cfg.prefetch, LAZY=cfg.lazy, SWAP=cfg.swap, PTX=query.is_cuda, SCHEDULED=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    combine_scheduled(ws, out, lse_t, tabs, output_scale)
     return compiled
 
 
@@ -363,6 +402,7 @@ def sparse_mla_decode(
     workspace: Workspace | None = None,
     config: Config | None = None,
     splits: int | None = None,
+    scheduled: bool = False,
 ) -> object:
     """Sparse MLA decode over flat rows into `out` (and `lse`) with the plain kernel, as reference_decode defines it.
 
@@ -373,6 +413,8 @@ def sparse_mla_decode(
     out: (rows, H, 512) bfloat16, written in full; lse: (rows, H) float32 natural log or None.
     workspace: from make_workspace (None allocates one: tests and benchmarks only).
     config / splits: override the fixed table and the split heuristic (benchmarks); splits are even.
+    scheduled: a scheduled launch (launch_scheduled: the device planner divides the tiles from the counts; splits
+    unused); a given workspace must hold its shape (make_workspace(schedules=...)).
     Count 0 -> out 0, lse -inf. Returns the main kernel's compiled handle (registers, asm).
     """
     fmt = normalize_format(fmt)
@@ -381,8 +423,16 @@ def sparse_mla_decode(
     cfg = config or default_config(heads, fmt)
     if rows == 0:  # nothing to launch (and no workspace to size)
         return None
+    if scheduled:
+        width = slots.shape[1]
+        shape = schedule_shape(rows, width, heads, cfg, num_sms(query.device))
+        if workspace is None:
+            workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg,
+                                       plans={(rows, width): (0, 1)}, schedules=(shape,))
+        return launch_scheduled(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace,
+                                cfg, tables(workspace.sched, shape))
     workspace, splits = one_off_scratch(query, slots, fmt, cfg, workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, fmt, softmax_scale, output_scale, workspace, cfg, splits)
 
 
-__all__ = ["decode_kernel", "launch", "sparse_mla_decode"]
+__all__ = ["decode_kernel", "launch", "launch_scheduled", "sparse_mla_decode"]

@@ -1,7 +1,9 @@
 """TritonDecode, the core's "triton" DecodeKernel: the plain kernel everywhere, the Gluon kernels on Hopper.
 
-At construction it picks the kernels (variants.gluon_choice), plans every (rows, width), binds each plan's launches
-and sizes the shared split workspace; a call only checks its inputs and runs the bound plan.
+At construction it picks the kernels (variants.gluon_choice), plans every (rows, width) -- static plans, or
+(VLLM_KIMI_DSA_SCHEDULE=counts) the fixed shape of a scheduled launch whose planner divides each call's tiles from its
+counts on the device -- binds each plan's launches and sizes the shared workspace; a call checks its inputs and runs
+the bound launch.
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import triton
 
 from vllm_kimi_dsa import envs
-from vllm_kimi_dsa.backends.hopper.variants import VERIFIED_TRITON, GluonChoice, gluon_choice, seesaw_takes
+from vllm_kimi_dsa.backends.hopper.variants import GluonChoice, gluon_choice, seesaw_takes
 from vllm_kimi_dsa.formats import normalize_format
 from vllm_kimi_dsa.heads import FEW_HEADS_MAX, heads_refusal
 from vllm_kimi_dsa.kernels import triton_decode
 from vllm_kimi_dsa.kernels.base import DecodeSetup
 from vllm_kimi_dsa.kernels.common import check_operands, num_sms, run_plan, shared_workspace
-from vllm_kimi_dsa.kernels.common.gluon import gluon_available, gluon_unavailable_reason
+from vllm_kimi_dsa.kernels.common.gluon import gluon_available
+from vllm_kimi_dsa.kernels.common.schedule import tables
 from vllm_kimi_dsa.logs import init_logger
 from vllm_kimi_dsa.planning import choose_lead, choose_plan, default_config, plan_cost, plan_table
+from vllm_kimi_dsa.planning.schedule import ScheduleShape, schedule_shape
 from vllm_kimi_dsa.widths import check_width
 
 logger = init_logger(__name__)
@@ -35,8 +38,9 @@ class TritonDecode:
     config: the plan Config of the batch's plans; gluon: the Gluon params bound (None: the plain kernel);
     gluon_large: the per-plan alternatives (few heads fp8: reg_v at one and two CTAs an SM; nvfp4 17..32 heads and
     > 32 heads fp8: the seesaw kernel); plan_params[rows, width]: (the first launch's params, the split rows'
-    launch's); plan_leads[rows, width]: the one-launch plan's lead (choose_lead), 0 if none. plain_reason: why the
-    plain kernel runs where a Gluon kernel exists for (fmt, heads) ('' when Gluon is bound): the startup line says it.
+    launch's); plan_leads[rows, width]: the one-launch plan's lead (choose_lead), 0 if none. scheduled
+    (VLLM_KIMI_DSA_SCHEDULE=counts): every call one scheduled launch; schedules[rows, width]: its ScheduleShape (the
+    static plans are still made: their kernel choices pick the scheduled launch's).
     """
 
     name: ClassVar[str] = "triton"
@@ -45,7 +49,7 @@ class TritonDecode:
         self.setup = setup
         self.fmt = normalize_format(setup.fmt)
         _check_setup(setup)
-        choice, self.plain_reason = _available_choice(self.fmt, setup)
+        choice = _available_choice(self.fmt, setup)
         self.gluon: Any = choice.params if choice else None
         self.gluon_large: tuple[Any, ...] = choice.large if choice else ()
         self.config = choice.config if choice else default_config(setup.heads, self.fmt)
@@ -54,9 +58,15 @@ class TritonDecode:
         self._launches: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.plan_params: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.plan_leads: dict[tuple[int, int], int] = {}
+        self.scheduled = envs.schedule() == "counts"
+        self.schedules: dict[tuple[int, int], ScheduleShape] = {}
         self._bind(choice, sms)
+        kernels = self._bind_scheduled(choice, sms) if self.scheduled else {}
         self.workspace = shared_workspace(setup.device, heads=setup.heads, max_rows=setup.max_rows,
-                                          widths=setup.widths, fmt=self.fmt, config=self.config, plans=self._plans)
+                                          widths=setup.widths, fmt=self.fmt, config=self.config, plans=self._plans,
+                                          schedules=tuple(self.schedules.values()))
+        self._scheduled_launches = {key: self._scheduled_call(kernel, self.schedules[key])
+                                    for key, kernel in kernels.items()}
 
     def _bind(self, choice: GluonChoice | None, sms: int) -> None:
         """Each plan's launches, bound once (the call path does not branch on them): few heads fp8, the occupancy the
@@ -93,6 +103,44 @@ class TritonDecode:
             self.plan_params[rows, width] = (first[0], tail[0])
             self.plan_leads[rows, width] = lead
 
+    def _bind_scheduled(self, choice: GluonChoice | None, sms: int) -> dict[tuple[int, int], Kernel]:
+        """Each (rows, width)'s scheduled launch: the kernel (> 32 heads fp8: the seesaw kernel, or the P.V-on-e4m3
+        form when asked for; otherwise the static plan's first launch's: the few-heads occupancy the model costs
+        least for full rows) and its ScheduleShape (that kernel's Config). plan_params records it for both launches."""
+        heads = self.setup.heads
+        seesaw = choice.large[0] if choice is not None and choice.seesaw and choice.large else None
+        kernels: dict[tuple[int, int], Kernel] = {}
+        for rows, width in self._plans:
+            first, _ = self.plan_params[rows, width]
+            params = seesaw if seesaw is not None else first
+            if params is None or choice is None:
+                kernels[rows, width], cfg = (None, None), self.config
+            else:
+                module = choice.launch if params is choice.params else choice.large_launch
+                kernels[rows, width], cfg = (params, module), params.config(heads)
+            self.schedules[rows, width] = schedule_shape(rows, width, heads, cfg, sms)
+            self.plan_params[rows, width] = (params, params)
+            self.plan_leads[rows, width] = 0
+        return kernels
+
+    def _scheduled_call(self, kernel: Kernel, shape: ScheduleShape) -> Any:
+        """The scheduled launch of one (rows, width): its tables made once, as views of the workspace's scratch."""
+        tabs = tables(self.workspace.sched, shape)
+        params, module_launch = kernel
+        setup, ws = self.setup, self.workspace
+        if params is None:
+            fmt, cfg = self.fmt, self.config
+
+            def launch(query, kv_rows, slots, counts, out, lse) -> None:
+                triton_decode.launch_scheduled(query, kv_rows, slots, counts, out, lse, fmt, setup.softmax_scale,
+                                               setup.output_scale, ws, cfg, tabs)
+            return launch
+
+        def gluon_launch(query, kv_rows, slots, counts, out, lse) -> None:
+            module_launch(query, kv_rows, slots, counts, out, lse, setup.softmax_scale, setup.output_scale, ws, 1,
+                          params, 0, tabs)
+        return gluon_launch
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -116,6 +164,9 @@ class TritonDecode:
                 f"rows={rows}, width={slots.shape[1]} not planned (max_rows {self.setup.max_rows}, widths {self.setup.widths})"
             )
         if rows == 0:
+            return
+        if self.scheduled:
+            self._scheduled_launches[key](query, kv_rows, slots, counts, out, lse)
             return
         launch, split_launch = self._launches[key]
         run_plan(launch, self._plans[key], query, kv_rows, slots, counts, out, lse, split_launch=split_launch)
@@ -151,21 +202,15 @@ def _check_setup(setup: DecodeSetup) -> None:
         check_width(w, "setup.widths")
 
 
-def _available_choice(fmt: str, setup: DecodeSetup) -> tuple[GluonChoice | None, str]:
+def _available_choice(fmt: str, setup: DecodeSetup) -> GluonChoice | None:
     """gluon_choice's kernels where this device runs Gluon and (unless VLLM_KIMI_DSA_GLUON=1) they were verified on
-    this Triton, and ''; else None (the plain kernel) and why, naming the switch, the device or the Triton version."""
+    this Triton; None: the plain kernel."""
     want = envs.gluon_choice()
     fp8_pv = envs.fp8_pv()
     choice = gluon_choice(fmt, setup.heads, want, fp8_pv)
     if fp8_pv and want != "0" and fmt == "fp8" and setup.heads > FEW_HEADS_MAX and not getattr(choice and choice.params, "pv_fp8", False):
         logger.warning("%s=1: P.V on e4m3 is not verified on this Triton, the default kernels run (%s=1 forces it)",
                        envs.FP8_PV, envs.GLUON)
-    if choice is None:
-        return None, f"{envs.GLUON}=0"
-    if not gluon_available(setup.device):
-        return None, gluon_unavailable_reason(setup.device)
-    if not (want == "1" or choice.verified):
-        return None, (f"the Gluon kernel {choice.variant} is not verified on Triton {triton.__version__} "
-                      f"(GPU-tested on {', '.join(VERIFIED_TRITON[choice.variant]) or 'none yet'}; "
-                      f"{envs.GLUON}=1 forces it)")
-    return choice, ""
+    if choice is None or not gluon_available(setup.device) or not (want == "1" or choice.verified):
+        return None
+    return choice

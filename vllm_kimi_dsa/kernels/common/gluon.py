@@ -1,6 +1,6 @@
 """What the Gluon decode kernels share: Gluon's imports and availability, and their common jit pieces.
 
-Split ranges on a split-major grid, the cp.async gatherer (fp8 and nvfp4 rows), Q into shared memory, the
+Split ranges on a split-major grid (or a scheduled launch's items: work_item), the cp.async gatherer (fp8 and nvfp4 rows), Q into shared memory, the
 normalizers and whole-sector latent stores, and the host launch with its combine. Imports on any machine.
 """
 
@@ -11,9 +11,13 @@ from typing import Any
 import torch
 import triton
 
-from vllm_kimi_dsa.kernels.common.combine import LOG2E, combine
+from vllm_kimi_dsa.kernels.common.combine import LOG2E, combine, combine_scheduled
 from vllm_kimi_dsa.kernels.common.nvfp4 import E2M1_E4M3_PTX, E4M3_BLOCK_TABLE_PTX
-from vllm_kimi_dsa.kernels.common.workspace import Workspace, check_inputs, check_lead, one_off_scratch, scratch
+from vllm_kimi_dsa.kernels.common.schedule import ScheduleTables, plan_schedule, tables
+from vllm_kimi_dsa.kernels.common.workspace import (
+    Workspace, check_inputs, check_lead, make_workspace, num_sms, one_off_scratch, scheduled_scratch, scratch,
+)
+from vllm_kimi_dsa.planning.schedule import schedule_shape
 
 # Triton versions whose Gluon API the kernels are written against: 3.6 and 3.8 both compile them offline for
 # sm_90a (warp_specialize's signature moved in 3.6)
@@ -95,12 +99,21 @@ def e4m3_scale_bytes(block_n: int, k_stages: int) -> int:
 def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, out, lse, softmax_scale: float,
                   output_scale: float, ws: Workspace, splits: int, constexprs: dict[str, Any],
                   options: dict[str, Any] | None = None, extra_args: dict[str, Any] | None = None,
-                  lead_tiles: int = 0) -> Any:
+                  lead_tiles: int = 0, tabs: ScheduleTables | None = None) -> Any:
     """A Gluon decode kernel on grid (head_blocks, splits, rows), then the combine when splits > 1: inputs already
     checked, no allocation, no sync. The kernels share the plain kernel's runtime arguments (extra_args:
     a kernel's own, by name; lead_tiles: planning.choose_lead's); options are compile options (maxnreg) beside
-    num_warps."""
+    num_warps. tabs: a scheduled launch instead (splits, lead_tiles unused): the device planner divides the call's
+    tiles from the counts, the kernel runs its items on grid (head_blocks, items), the combine its split rows."""
     rows, heads = query.shape[0], query.shape[1]
+    if tabs is not None:
+        lse_t = scheduled_scratch(ws, tabs, heads, lse)
+        plan_schedule(counts, slots.shape[1], tabs)
+        compiled = call_kernel(kernel, (head_blocks, tabs.shape.items, 1), query, kv_rows, slots, counts, out, lse_t,
+                               softmax_scale, output_scale, ws, 1, constexprs, options, extra_args, 0,
+                               items=tabs.items)
+        combine_scheduled(ws, out, lse_t, tabs, output_scale)
+        return compiled
     splits, lse_t = scratch(ws, rows, heads, splits, lse)
     compiled = call_kernel(kernel, (head_blocks, splits, rows), query, kv_rows, slots, counts, out, lse_t,
                            softmax_scale, output_scale, ws, splits, constexprs, options, extra_args, lead_tiles)
@@ -111,11 +124,11 @@ def launch_kernel(kernel: Any, head_blocks: int, query, kv_rows, slots, counts, 
 def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, counts, out, lse_t,
                 softmax_scale: float, output_scale: float, ws: Workspace, splits: int,
                 constexprs: dict[str, Any], options: dict[str, Any] | None = None,
-                extra_args: dict[str, Any] | None = None, lead_tiles: int = 0) -> Any:
+                extra_args: dict[str, Any] | None = None, lead_tiles: int = 0, items: Any = None) -> Any:
     """One launch of a Gluon decode kernel with the decode kernels' common runtime arguments (lse_t: the LSE
-    buffer to write, never None), no combine."""
+    buffer to write, never None; items: a scheduled launch's item table, SCHEDULED then), no combine."""
     return kernel[grid](
-        query, kv_rows, slots, counts,
+        query, kv_rows, slots, counts, counts if items is None else items,
         out, lse_t, ws.part_out, ws.part_lse,
         query.shape[1], slots.shape[1], splits, lead_tiles if splits > 1 else 0,
         query.stride(0), query.stride(1), kv_rows.stride(0), slots.stride(0),
@@ -123,6 +136,7 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
         softmax_scale * LOG2E, output_scale,
         **(extra_args or {}),
         **constexprs,
+        SCHEDULED=items is not None,
         num_warps=4,  # the default partition (a consumer warpgroup); warp_specialize adds the workers' warps
         **(options or {}),
     )
@@ -130,10 +144,11 @@ def call_kernel(kernel: Any, grid: tuple[int, int, int], query, kv_rows, slots, 
 
 def one_off_call(launch: Any, params: Any, fmt: str, bad_heads: Any, query, kv_rows, slots, counts, out, lse,
                  softmax_scale: float, output_scale: float, workspace: Workspace | None, splits: int | None,
-                 lead_tiles: int) -> Any:
+                 lead_tiles: int, scheduled: bool = False) -> Any:
     """One call of a Gluon kernel module's launch with these params (tests, benchmarks): lead_tiles, Gluon on this
     device, the inputs and bad_heads(heads) (a message, '' when the kernel takes them) checked, in that order; a
-    workspace made for the call when none is given (it allocates: not for the hot path). Returns the compiled
+    workspace made for the call when none is given (it allocates: not for the hot path). scheduled: a scheduled
+    launch (its shape from params.config(heads) on this device; splits and lead_tiles unused). Returns the compiled
     kernel handle, None for 0 rows."""
     check_lead(lead_tiles)
     reason = gluon_unavailable_reason(query.device)
@@ -145,6 +160,15 @@ def one_off_call(launch: Any, params: Any, fmt: str, bad_heads: Any, query, kv_r
         raise ValueError(message)
     if query.shape[0] == 0:  # nothing to launch (and no workspace to size)
         return None
+    if scheduled:
+        rows, heads, width = query.shape[0], query.shape[1], slots.shape[1]
+        cfg = params.config(heads)
+        shape = schedule_shape(rows, width, heads, cfg, num_sms(query.device))
+        if workspace is None or workspace.sched is None:
+            workspace = make_workspace(query.device, heads=heads, max_rows=rows, widths=(width,), fmt=fmt, config=cfg,
+                                       plans={(rows, width): (0, 1)}, schedules=(shape,))
+        return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, 1, params, 0,
+                      tables(workspace.sched, shape))
     workspace, splits = one_off_scratch(query, slots, fmt, params.config(), workspace, splits)
     return launch(query, kv_rows, slots, counts, out, lse, softmax_scale, output_scale, workspace, splits, params,
                   lead_tiles)
@@ -474,6 +498,25 @@ if gl is not None:
             split = lin // rows
             row = lin % rows
         return row, split
+
+    @gluon.jit
+    def work_item(items_ptr, counts_ptr, num_splits, lead_tiles, K, BLOCK_N: gl.constexpr, SCHEDULED: gl.constexpr):
+        """(row, start, end, tiles, part) of this CTA: SCHEDULED, item program_id(1) of the device planner's table
+        (common.schedule; row -1: an idle item, which the kernel returns from before anything else); else row_split's
+        split of split_tiles' range. part: the entry row of the piece's partial (entries part * H + head), -1 where
+        the row is whole (out and LSE stored directly)."""
+        if SCHEDULED:
+            at = items_ptr + gl.program_id(1) * 4
+            row = gl.load(at)
+            start = gl.load(at + 1)
+            end = gl.load(at + 2)
+            part = gl.load(at + 3)
+            num_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        else:
+            row, split = row_split(num_splits, lead_tiles)
+            start, end, num_tiles = split_tiles(counts_ptr, row, split, num_splits, lead_tiles, K, BLOCK_N)
+            part = gl.where(num_splits > 1, row * num_splits + split, -1)
+        return row, start, end, num_tiles, part
 
     @gluon.jit
     def store_q(q_ptr, row, h0, H, stride_q_row, stride_q_head, q_lat_s, q_rope_s, BH: gl.constexpr):

@@ -1,4 +1,5 @@
-"""The split-KV scratch every decode kernel writes its partials into, and the per-call checks and slices of it.
+"""The split-KV scratch every decode kernel writes its partials (and a scheduled launch its tables) into, and the
+per-call checks and slices of it.
 
 PARTIAL_DTYPE, Workspace, make_workspace / shared_workspace (one per device and head count), check_inputs,
 scratch, one_off_scratch, check_lead, num_sms, run_plan.
@@ -13,7 +14,9 @@ import torch
 
 from vllm_kimi_dsa.formats import LATENT_DIM, CacheFormat, cache_dtype, normalize_format, row_bytes
 from vllm_kimi_dsa.kernels.base import check_query
+from vllm_kimi_dsa.kernels.common.schedule import table_ints
 from vllm_kimi_dsa.planning import Config, choose_splits, default_config, plan_table, split_entries
+from vllm_kimi_dsa.planning.schedule import ScheduleShape
 
 
 def num_sms(device: torch.device) -> int:
@@ -32,7 +35,7 @@ PARTIAL_DTYPE = torch.float16
 @dataclass
 class Workspace:
     """Split-KV scratch: part_out (capacity*512,) fp32 or fp16 (make_workspace's partial_dtype), part_lse
-    (capacity,) fp32, a dummy lse (rows*H,)."""
+    (capacity,) fp32, a dummy lse (rows*H,), and the scheduled launches' tables (sched, int32; common.schedule)."""
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
@@ -40,6 +43,7 @@ class Workspace:
     capacity: int  # rows * splits * heads entries the scratch holds
     max_rows: int
     heads: int
+    sched: torch.Tensor | None = None  # int32 entries for the largest ScheduleShape's tables (None: none planned)
 
 
 def make_workspace(
@@ -52,10 +56,13 @@ def make_workspace(
     config: Config | None = None,
     plans: dict[tuple[int, int], tuple[int, int]] | None = None,
     min_entries: int = 0,
+    schedules: tuple[ScheduleShape, ...] | list[ScheduleShape] = (),
+    min_sched_ints: int = 0,
 ) -> Workspace:
     """Scratch for every call with rows <= max_rows, these heads and any of `widths`; plans: plan_table's for
     them when the caller has it already (else made here); min_entries: at least this many partial entries (a larger
-    shared scratch). Partials are PARTIAL_DTYPE (the combine reads them in fp32). A normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
+    shared scratch); schedules: the scheduled launches' shapes (their partial slots and tables; min_sched_ints: at
+    least this many table entries). Partials are PARTIAL_DTYPE (the combine reads them in fp32). A normalized partial is a convex mix of the cache's values before the output scale (applied in the combine): |o|
     <= 448 for e4m3 rows, <= 6 x 448 for nvfp4_ds_mla, inside fp16's range, rounded to 2^-11 of the largest."""
     device = torch.device(device)
     if heads < 1:
@@ -65,7 +72,8 @@ def make_workspace(
     if plans is None:
         cfg = config or default_config(heads, normalize_format(fmt))
         plans = plan_table(max_rows, heads, widths, cfg, num_sms(device))
-    need = max(min_entries, split_entries(plans, heads))
+    need = max(min_entries, split_entries(plans, heads), *(s.pieces * heads for s in schedules))
+    ints = max([min_sched_ints] + [table_ints(s) for s in schedules])
     return Workspace(
         part_out=torch.empty(need * LATENT_DIM, dtype=PARTIAL_DTYPE, device=device),
         part_lse=torch.empty(need, dtype=torch.float32, device=device),
@@ -73,6 +81,7 @@ def make_workspace(
         capacity=need,
         max_rows=max_rows,
         heads=heads,
+        sched=torch.empty(ints, dtype=torch.int32, device=device) if ints else None,
     )
 
 
@@ -90,6 +99,7 @@ def shared_workspace(
     fmt: CacheFormat,
     config: Config,
     plans: dict[tuple[int, int], tuple[int, int]],
+    schedules: tuple[ScheduleShape, ...] | list[ScheduleShape] = (),
 ) -> Workspace:
     """make_workspace's scratch, shared by every caller of this device and head count that it is large enough for.
 
@@ -98,12 +108,15 @@ def shared_workspace(
     """
     device = torch.device(device)
     key = (str(device), int(heads), PARTIAL_DTYPE)
-    need = split_entries(plans, heads)
+    need = max([split_entries(plans, heads)] + [s.pieces * heads for s in schedules])
+    ints = max([0] + [table_ints(s) for s in schedules])
     held = _SHARED_WORKSPACES.get(key)
-    if held is not None and held.capacity >= need and held.max_rows >= max_rows:
+    held_ints = 0 if held is None or held.sched is None else held.sched.numel()
+    if held is not None and held.capacity >= need and held.max_rows >= max_rows and held_ints >= ints:
         return held
     made = make_workspace(device, heads=heads, max_rows=max(max_rows, held.max_rows if held else 0), widths=widths,
-                          fmt=fmt, config=config, plans=plans, min_entries=max(need, held.capacity if held else 0))
+                          fmt=fmt, config=config, plans=plans, min_entries=max(need, held.capacity if held else 0),
+                          schedules=schedules, min_sched_ints=max(ints, held_ints))
     _SHARED_WORKSPACES[key] = made
     return made
 
@@ -140,6 +153,17 @@ def scratch(ws: Workspace, rows: int, heads: int, splits: int, lse: torch.Tensor
     if splits > 1 and rows * splits * heads > ws.capacity:
         splits = max(1, ws.capacity // (rows * heads))
     return splits, (lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads))
+
+
+def scheduled_scratch(ws: Workspace, tabs: Any, heads: int, lse: torch.Tensor | None) -> torch.Tensor:
+    """The LSE buffer a scheduled launch writes (`lse` or the workspace's dummy), once the workspace holds its
+    shape's partial slots and tables (tabs: common.schedule.ScheduleTables, made from this workspace)."""
+    shape = tabs.shape
+    if heads != ws.heads or shape.rows > ws.max_rows or shape.pieces * heads > ws.capacity:
+        raise ValueError(f"workspace (rows <= {ws.max_rows}, heads {ws.heads}, {ws.capacity} partial entries) does "
+                         f"not hold a scheduled launch of {shape.rows} rows, {heads} heads, {shape.pieces} pieces")
+    rows = shape.rows
+    return lse if lse is not None else ws.dummy_lse[: rows * heads].view(rows, heads)
 
 
 def one_off_scratch(query: torch.Tensor, slots: torch.Tensor, fmt: str, config: Config,
