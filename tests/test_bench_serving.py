@@ -68,6 +68,9 @@ def test_work_metrics_scale_the_floor_with_the_work() -> None:
     assert half["floor_bw_us"] == pytest.approx((full["floor_bw_us"] - io) / 2 + io, abs=2e-3)
     assert half["floor_flops_us"] == pytest.approx(full["floor_flops_us"] / 2, abs=2e-3)
     assert half["tflops"] == pytest.approx(full["tflops"] / 2, abs=0.02)
+    # the bytes and rate of the useful work: a record that reports the full batch's bytes for half the work fails
+    assert half["kv_GBps"] == pytest.approx(full["kv_GBps"] / 2, abs=0.1)
+    assert half["kv_bytes"] == full["kv_bytes"] / 2 and half["flops"] == full["flops"] / 2
 
 
 @pytest.fixture()
@@ -191,11 +194,12 @@ def test_graph_timer_holds_its_calls(monkeypatch) -> None:
 
 def test_proportionality_summary_and_median() -> None:
     recs = [{"kernel": "a", "dist": d, "rows": rows, "heads": 16, "work": w, "us": 1.0, "proportionality": p}
-            for d, rows, w, p in (("uniform", 32, 0.5, 1.2), ("serving", 128, 0.6, 1.4), ("skewed", 8, 0.1, 9.0),
+            for d, rows, w, p in (("uniform", 32, 0.5, 1.6), ("serving", 128, 0.6, 1.4), ("skewed", 8, 0.1, 9.0),
                                   ("full", 32, 1.0, 1.0))]
     worst = sv.proportionality_summary({"records": recs})
-    assert worst["a"]["proportionality"] == 1.4 and worst["a"]["rows"] == 128  # 8 rows below the bound's 32
-    assert sv.median_proportionality({"records": recs}, "a") == pytest.approx(1.4)  # median of 1.2, 1.4, 9.0
+    # the 32-row point counts (the bound is "from 32 rows"); 8 rows are below it; the full rows are no ragged point
+    assert worst["a"]["proportionality"] == 1.6 and worst["a"]["rows"] == 32 and worst["a"]["dist"] == "uniform"
+    assert sv.median_proportionality({"records": recs}, "a") == pytest.approx(1.6)  # median of 1.6, 1.4, 9.0
     assert sv.median_proportionality({"records": recs}, "b") is None
 
 

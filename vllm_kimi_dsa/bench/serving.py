@@ -149,6 +149,7 @@ def work_metrics(rows: int, heads: int, us: float, work: float, info: dict[str, 
     floor_fl = work * m["floor_flops_us"]
     floor = max(floor_bw, floor_fl)
     return {**m, "tflops": round(m["tflops"] * work, 2), "kv_GBps": round(m["kv_GBps"] * work, 1),
+            "kv_bytes": work * m["kv_bytes"], "flops": work * m["flops"],
             "floor_us": round(floor, 3), "floor_bw_us": round(floor_bw, 3), "floor_flops_us": round(floor_fl, 3),
             "floor_bound": "bandwidth" if floor_bw >= floor_fl else "compute", "of_floor": round(floor / us, 3)}
 
